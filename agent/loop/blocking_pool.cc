@@ -1,0 +1,124 @@
+#include "agent/loop/blocking_pool.h"
+
+#include <pthread.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace fusekeeper {
+
+BlockingPool::BlockingPool(Loop& loop, const BlockingPoolOptions& options)
+    : loop_(loop), state_(std::make_shared<State>()) {
+  CHECK_GT(options.threads, 0);
+  state_->loop = &loop;
+  state_->max_queued = options.max_queued;
+  state_->running_reason.resize(options.threads);
+  threads_.reserve(options.threads);
+  for (int i = 0; i < options.threads; ++i) {
+    threads_.emplace_back(&BlockingPool::Worker, state_, i);
+    pthread_setname_np(threads_.back().native_handle(), absl::StrCat("fk-pool-", i).c_str());
+  }
+}
+
+BlockingPool::~BlockingPool() {
+  // Shutdown CHECKs it is off the loop thread; at destruction with no grace it never waits.
+  BeginShutdown();
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->closed = true;
+  for (size_t i = 0; i < threads_.size(); ++i) {
+    if (threads_[i].joinable()) threads_[i].detach();
+  }
+}
+
+absl::Status BlockingPool::Submit(std::string reason, absl::AnyInvocable<void()> work,
+                                  absl::AnyInvocable<void(absl::Status)> done) {
+  State& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.shutting_down) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("blocking pool is shutting down; not running ", reason));
+    }
+    if (s.queue.size() >= s.max_queued) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "blocking pool queue full (", s.max_queued, " waiting); not running ", reason));
+    }
+    s.queue.push_back(Item{std::move(reason), std::move(work), std::move(done)});
+    ++s.outstanding;
+  }
+  s.cv.notify_one();
+  return absl::OkStatus();
+}
+
+void BlockingPool::Worker(std::shared_ptr<State> state, int index) {
+  State& s = *state;
+  std::unique_lock<std::mutex> lock(s.mu);
+  while (true) {
+    s.cv.wait(lock, [&s] { return s.shutting_down || !s.queue.empty(); });
+    if (s.queue.empty()) return;  // shutting down; cancelled items were taken off the queue
+    Item item = std::move(s.queue.front());
+    s.queue.pop_front();
+    s.running_reason[index] = item.reason;
+    lock.unlock();
+    item.work();
+    item.work = nullptr;  // release captures off the loop thread
+    lock.lock();
+    if (s.closed) return;  // abandoned: the loop may be gone
+    s.loop->Post([done = std::move(item.done)]() mutable { done(absl::OkStatus()); });
+    s.running_reason[index].clear();
+    --s.outstanding;
+    s.idle_cv.notify_all();
+  }
+}
+
+void BlockingPool::BeginShutdown() {
+  State& s = *state_;
+  std::deque<Item> cancelled;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.shutting_down) return;
+    s.shutting_down = true;
+    cancelled.swap(s.queue);
+    s.outstanding -= cancelled.size();
+  }
+  s.cv.notify_all();
+  for (Item& item : cancelled) {
+    loop_.Post([reason = std::move(item.reason), done = std::move(item.done)]() mutable {
+      done(absl::CancelledError(absl::StrCat(reason, " cancelled: agent shutting down")));
+    });
+  }
+}
+
+int BlockingPool::Shutdown(absl::Duration grace) {
+  CHECK(!loop_.IsLoopThread()) << "BlockingPool::Shutdown blocks; call it off the loop thread";
+  BeginShutdown();
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  s.idle_cv.wait_for(lock, absl::ToChronoNanoseconds(grace), [&s] { return s.outstanding == 0; });
+  s.closed = true;
+  int abandoned = 0;
+  std::vector<std::thread*> to_join;
+  for (size_t i = 0; i < threads_.size(); ++i) {
+    if (!threads_[i].joinable()) continue;
+    if (s.running_reason[i].empty()) {
+      to_join.push_back(&threads_[i]);
+    } else {
+      LOG(WARNING) << "blocking pool thread " << i << " still running '" << s.running_reason[i]
+                   << "' at shutdown; abandoning it";
+      threads_[i].detach();
+      ++abandoned;
+    }
+  }
+  lock.unlock();
+  for (std::thread* t : to_join) t->join();
+  return abandoned;
+}
+
+size_t BlockingPool::outstanding() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->outstanding;
+}
+
+}  // namespace fusekeeper

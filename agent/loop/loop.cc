@@ -1,0 +1,353 @@
+#include "agent/loop/loop.h"
+
+#include <errno.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace fusekeeper {
+namespace {
+
+// How long Run() waits at Stop for cancelled operations to report back before giving up on them.
+constexpr std::chrono::seconds kStopCancelBound{5};
+
+std::string ReadSysctl(const char* path) {
+  std::ifstream in(path);
+  std::string value;
+  if (!(in >> value)) return "";
+  return value;
+}
+
+// Says why io_uring_setup failed and what the operator can do about it.
+absl::Status RingUnavailable(int err) {
+  const std::string disabled = ReadSysctl("/proc/sys/kernel/io_uring_disabled");
+  std::string why;
+  if (disabled == "2") {
+    why = "io_uring is disabled on this host (sysctl kernel.io_uring_disabled=2). fusekeeper "
+          "needs it: set `sysctl -w kernel.io_uring_disabled=0` (or 1 and run the agent "
+          "privileged/CAP_SYS_ADMIN or in kernel.io_uring_group).";
+  } else if (disabled == "1" && (err == EPERM || err == EACCES)) {
+    why = "io_uring is restricted on this host (sysctl kernel.io_uring_disabled=1): only "
+          "privileged processes or members of kernel.io_uring_group may use it. Run the agent "
+          "container privileged, or set `sysctl -w kernel.io_uring_disabled=0`.";
+  } else if (err == EPERM || err == EACCES || err == ENOSYS) {
+    why = "io_uring_setup was refused. The usual cause is a seccomp profile (the container "
+          "runtime's default profile blocks io_uring): run the agent with "
+          "`securityContext.seccompProfile.type: Unconfined` (it is privileged anyway). "
+          "On kernels built without CONFIG_IO_URING (ENOSYS) use a kernel with io_uring.";
+  } else if (err == ENOMEM) {
+    why = "io_uring_setup ran out of locked memory: raise RLIMIT_MEMLOCK (ulimit -l) or use "
+          "a kernel >= 5.12, which accounts rings to memory cgroups instead.";
+  } else {
+    why = "io_uring_setup failed.";
+  }
+  return absl::UnavailableError(absl::StrCat("io_uring unavailable: ", std::strerror(err),
+                                             " (errno ", err, "). ", why));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Loop>> Loop::Create(const LoopOptions& options) {
+  std::unique_ptr<Loop> loop(new Loop());
+  io_uring_params params{};
+  params.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_R_DISABLED;
+  int r = io_uring_queue_init_params(options.ring_entries, &loop->ring_, &params);
+  if (r == -EINVAL) {
+    // Kernel older than 6.1: a plain ring, which any thread may submit to.
+    params = {};
+    r = io_uring_queue_init_params(options.ring_entries, &loop->ring_, &params);
+  } else if (r == 0) {
+    loop->defer_taskrun_ = true;
+  }
+  if (r < 0) return RingUnavailable(-r);
+  loop->ring_ready_ = true;
+
+  int efd = eventfd(0, EFD_CLOEXEC);
+  if (efd < 0) {
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  loop->wake_fd_.Reset(efd);
+  Loop* self = loop.get();
+  loop->wake_completion_.callback = [self](int32_t res, bool /*more*/) {
+    self->wake_pending_.store(false, std::memory_order_release);
+    if (res >= 0 && !self->stopping_) self->ArmWakeRead();
+  };
+  return loop;
+}
+
+Loop::~Loop() {
+  if (ring_ready_) io_uring_queue_exit(&ring_);
+}
+
+bool Loop::IsLoopThread() const {
+  return loop_thread_.load(std::memory_order_acquire) == std::this_thread::get_id();
+}
+
+void Loop::AssertLoopThread() const {
+  // Before Run() the creating thread sets things up; afterwards only the loop thread may.
+  const std::thread::id owner = loop_thread_.load(std::memory_order_acquire);
+  CHECK(owner == std::thread::id() || owner == std::this_thread::get_id())
+      << "Loop method called off the loop thread";
+}
+
+io_uring_sqe* Loop::GetSqe() {
+  AssertLoopThread();
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (sqe == nullptr) {
+    // Submission queue full: hand what we have to the kernel, then there is room.
+    CHECK(loop_thread_.load() != std::thread::id())
+        << "more than ring_entries operations queued before Run()";
+    io_uring_submit(&ring_);
+    sqe = io_uring_get_sqe(&ring_);
+    CHECK(sqe != nullptr);
+  }
+  return sqe;
+}
+
+void Loop::Arm(io_uring_sqe* sqe, Completion* completion) {
+  AssertLoopThread();
+  CHECK(!completion->in_flight) << "Completion armed twice";
+  completion->in_flight = true;
+  if (stopping_) {
+    io_uring_prep_nop(sqe);
+    io_uring_sqe_set_data(sqe, nullptr);
+    refused_.push_back(completion);
+    return;
+  }
+  io_uring_sqe_set_data(sqe, completion);
+  ++in_flight_;
+  armed_.insert(completion);
+}
+
+void Loop::Cancel(Completion* completion) {
+  AssertLoopThread();
+  if (!completion->in_flight || armed_.count(completion) == 0) return;
+  io_uring_sqe* sqe = GetSqe();
+  io_uring_prep_cancel64(sqe, reinterpret_cast<uint64_t>(completion), 0);
+  io_uring_sqe_set_data(sqe, nullptr);
+}
+
+void Loop::Read(Completion* c, int fd, void* buf, unsigned len, uint64_t offset) {
+  io_uring_sqe* sqe = GetSqe();
+  io_uring_prep_read(sqe, fd, buf, len, offset);
+  Arm(sqe, c);
+}
+
+void Loop::PollAdd(Completion* c, int fd, unsigned poll_mask, bool multishot) {
+  io_uring_sqe* sqe = GetSqe();
+  if (multishot) {
+    io_uring_prep_poll_multishot(sqe, fd, poll_mask);
+  } else {
+    io_uring_prep_poll_add(sqe, fd, poll_mask);
+  }
+  Arm(sqe, c);
+}
+
+void Loop::ArmWakeRead() { Read(&wake_completion_, wake_fd_.get(), &wake_buf_, sizeof(wake_buf_), 0); }
+
+TimerId Loop::AddTimer(std::chrono::nanoseconds delay, absl::AnyInvocable<void()> fn) {
+  AssertLoopThread();
+  const TimerId id = next_timer_id_++;
+  if (stopping_) return id;  // dropped: the loop is winding down
+  const LoopClock::time_point deadline = LoopClock::now() + delay;
+  timer_queue_.emplace(deadline, id);
+  timers_.emplace(id, Timer{deadline, std::move(fn)});
+  return id;
+}
+
+bool Loop::CancelTimer(TimerId id) {
+  AssertLoopThread();
+  auto it = timers_.find(id);
+  if (it == timers_.end()) return false;
+  auto range = timer_queue_.equal_range(it->second.deadline);
+  for (auto q = range.first; q != range.second; ++q) {
+    if (q->second == id) {
+      timer_queue_.erase(q);
+      break;
+    }
+  }
+  timers_.erase(it);
+  return true;
+}
+
+void Loop::RunExpiredTimers() {
+  const LoopClock::time_point now = LoopClock::now();
+  // Timers added by the callbacks below wait for the next iteration, so a timer that re-adds
+  // itself with zero delay cannot starve the ring.
+  const TimerId first_new_id = next_timer_id_;
+  auto q = timer_queue_.begin();
+  while (q != timer_queue_.end() && q->first <= now) {
+    const TimerId id = q->second;
+    if (id >= first_new_id) {
+      ++q;
+      continue;
+    }
+    timer_queue_.erase(q);
+    auto it = timers_.find(id);
+    absl::AnyInvocable<void()> fn = std::move(it->second.fn);
+    timers_.erase(it);
+    fn();
+    q = timer_queue_.begin();
+  }
+}
+
+bool Loop::Post(absl::AnyInvocable<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(post_mu_);
+    if (post_closed_) return false;
+    posted_.push_back(std::move(fn));
+  }
+  // The loop thread drains posts before it waits again, so only other threads need to wake it.
+  if (!IsLoopThread() && !wake_pending_.exchange(true, std::memory_order_acq_rel)) {
+    const uint64_t one = 1;
+    ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+    (void)n;  // an eventfd write can only fail on counter overflow, which still wakes the ring
+  }
+  return true;
+}
+
+bool Loop::RunPosted() {
+  std::vector<absl::AnyInvocable<void()>> batch;
+  {
+    std::lock_guard<std::mutex> lock(post_mu_);
+    batch.swap(posted_);
+  }
+  for (auto& fn : batch) fn();
+  std::lock_guard<std::mutex> lock(post_mu_);
+  return !posted_.empty();
+}
+
+void Loop::Stop() {
+  running_.store(false, std::memory_order_release);
+  if (stop_requested_.exchange(true, std::memory_order_acq_rel)) return;
+  if (!IsLoopThread()) {
+    const uint64_t one = 1;
+    ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+    (void)n;
+  }
+}
+
+void Loop::BeginStopping() {
+  stopping_ = true;
+  running_.store(false, std::memory_order_release);
+  timer_queue_.clear();
+  timers_.clear();
+  // One cancel per operation (rather than IORING_ASYNC_CANCEL_ANY, 5.19+) works on every
+  // kernel with io_uring and costs O(in flight) once per process lifetime.
+  for (Completion* c : armed_) {
+    io_uring_sqe* sqe = GetSqe();
+    io_uring_prep_cancel64(sqe, reinterpret_cast<uint64_t>(c), 0);
+    io_uring_sqe_set_data(sqe, nullptr);
+  }
+}
+
+void Loop::ReapCompletions() {
+  struct Done {
+    Completion* completion;
+    int32_t res;
+    bool more;
+  };
+  std::vector<Done> batch;
+  unsigned head;
+  unsigned seen = 0;
+  io_uring_cqe* cqe;
+  io_uring_for_each_cqe(&ring_, head, cqe) {
+    ++seen;
+    // user_data 0 marks our own cancel/nop requests; LIBURING_UDATA_TIMEOUT liburing's internal
+    // wait timeout on kernels without EXT_ARG.
+    if (cqe->user_data == 0 || cqe->user_data == LIBURING_UDATA_TIMEOUT) continue;
+    auto* c = static_cast<Completion*>(io_uring_cqe_get_data(cqe));
+    batch.push_back(Done{c, cqe->res, (cqe->flags & IORING_CQE_F_MORE) != 0});
+  }
+  io_uring_cq_advance(&ring_, seen);
+  // Callbacks run after the CQ is released, never from inside the reap.
+  for (Done& d : batch) {
+    if (!d.more) {
+      d.completion->in_flight = false;
+      --in_flight_;
+      armed_.erase(d.completion);
+    }
+    d.completion->callback(d.res, d.more);
+  }
+}
+
+void Loop::Run() {
+  CHECK(loop_thread_.load() == std::thread::id()) << "Loop::Run called twice";
+  loop_thread_.store(std::this_thread::get_id(), std::memory_order_release);
+  if (defer_taskrun_) {
+    int r = io_uring_enable_rings(&ring_);
+    CHECK_EQ(r, 0) << "io_uring_enable_rings: " << std::strerror(-r);
+  }
+  if (!stop_requested_.load()) running_.store(true, std::memory_order_release);
+  ArmWakeRead();
+
+  LoopClock::time_point stop_deadline{};
+  while (true) {
+    ++iterations_;
+    RunExpiredTimers();
+    bool more_posts = RunPosted();
+    if (stop_requested_.load(std::memory_order_acquire) && !stopping_) {
+      BeginStopping();
+      stop_deadline = LoopClock::now() + kStopCancelBound;
+    }
+    if (stopping_) {
+      std::vector<Completion*> refused;
+      refused.swap(refused_);
+      for (Completion* c : refused) {
+        c->in_flight = false;
+        c->callback(-ECANCELED, false);
+      }
+      if (in_flight_ == 0 && refused_.empty()) break;
+      if (LoopClock::now() >= stop_deadline) {
+        LOG(WARNING) << in_flight_ << " ring operations did not finish cancelling within "
+                     << kStopCancelBound.count() << "s of stop; abandoning them";
+        break;
+      }
+    }
+
+    __kernel_timespec ts{};
+    __kernel_timespec* timeout = nullptr;
+    if (more_posts || !refused_.empty()) {
+      timeout = &ts;  // poll only
+    } else {
+      LoopClock::time_point wake_at = LoopClock::time_point::max();
+      if (!timer_queue_.empty()) wake_at = timer_queue_.begin()->first;
+      if (stopping_) wake_at = std::min(wake_at, stop_deadline);
+      if (wake_at != LoopClock::time_point::max()) {
+        auto delta = std::chrono::duration_cast<std::chrono::nanoseconds>(wake_at - LoopClock::now());
+        if (delta.count() < 0) delta = std::chrono::nanoseconds(0);
+        ts.tv_sec = delta.count() / 1000000000;
+        ts.tv_nsec = delta.count() % 1000000000;
+        timeout = &ts;
+      }
+    }
+    io_uring_cqe* cqe = nullptr;
+    int r = io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, timeout, nullptr);
+    if (r < 0 && r != -ETIME && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+      LOG(ERROR) << "io_uring wait failed: " << std::strerror(-r);
+    }
+    ReapCompletions();
+  }
+  FinishStopping();
+}
+
+void Loop::FinishStopping() {
+  io_uring_submit(&ring_);  // flush any cancel requests still queued
+  std::vector<absl::AnyInvocable<void()>> batch;
+  {
+    std::lock_guard<std::mutex> lock(post_mu_);
+    post_closed_ = true;
+    batch.swap(posted_);
+  }
+  for (auto& fn : batch) fn();
+  timer_queue_.clear();
+  timers_.clear();
+}
+
+}  // namespace fusekeeper
