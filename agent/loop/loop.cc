@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -281,8 +282,9 @@ void Loop::Run() {
   CHECK(loop_thread_.load() == std::thread::id()) << "Loop::Run called twice";
   loop_thread_.store(std::this_thread::get_id(), std::memory_order_release);
   if (defer_taskrun_) {
-    int r = io_uring_enable_rings(&ring_);
-    CHECK_EQ(r, 0) << "io_uring_enable_rings: " << std::strerror(-r);
+    // io_uring_enable_rings() is declared by liburing 2.3 but missing from Debian's .so.
+    long r = syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0);
+    CHECK_EQ(r, 0) << "IORING_REGISTER_ENABLE_RINGS: " << std::strerror(errno);
   }
   if (!stop_requested_.load()) running_.store(true, std::memory_order_release);
   ArmWakeRead();

@@ -1,0 +1,101 @@
+#include "agent/csi/node_service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "agent/csi/validate.h"
+
+namespace fusekeeper {
+namespace {
+
+absl::Status NotBuiltYet(const char* method) {
+  return absl::UnimplementedError(absl::StrCat(
+      method, " is not available in this build of fusekeeper: volume mounting is not "
+              "implemented yet (see NodeGetCapabilities for what is)"));
+}
+
+}  // namespace
+
+NodeService::NodeService(Loop& loop, RpcDispatcher& dispatcher, NodeOptions options)
+    : loop_(loop), dispatcher_(dispatcher), options_(std::move(options)) {}
+
+template <typename Req>
+grpc::ServerUnaryReactor* NodeService::Handle(grpc::CallbackServerContext* ctx, const char* method,
+                                              const Req& req, absl::Status validation,
+                                              absl::AnyInvocable<void(Responder)> work) {
+  if (!validation.ok()) {
+    return dispatcher_.Dispatch(ctx, method, /*quiet=*/false, req,
+                                [validation](Responder r) { r.Finish(validation); });
+  }
+  return dispatcher_.Dispatch(ctx, method, /*quiet=*/false, req, std::move(work));
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeStageVolume(grpc::CallbackServerContext* ctx,
+                                                       const csi::v1::NodeStageVolumeRequest* req,
+                                                       csi::v1::NodeStageVolumeResponse*) {
+  return Handle(ctx, "NodeStageVolume", *req, ValidateNodeStage(*req),
+                [](Responder r) { r.Finish(NotBuiltYet("NodeStageVolume")); });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeUnstageVolume(
+    grpc::CallbackServerContext* ctx, const csi::v1::NodeUnstageVolumeRequest* req,
+    csi::v1::NodeUnstageVolumeResponse*) {
+  return Handle(ctx, "NodeUnstageVolume", *req, ValidateNodeUnstage(*req),
+                [](Responder r) { r.Finish(NotBuiltYet("NodeUnstageVolume")); });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodePublishVolume(
+    grpc::CallbackServerContext* ctx, const csi::v1::NodePublishVolumeRequest* req,
+    csi::v1::NodePublishVolumeResponse*) {
+  return Handle(ctx, "NodePublishVolume", *req, ValidateNodePublish(*req),
+                [](Responder r) { r.Finish(NotBuiltYet("NodePublishVolume")); });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeUnpublishVolume(
+    grpc::CallbackServerContext* ctx, const csi::v1::NodeUnpublishVolumeRequest* req,
+    csi::v1::NodeUnpublishVolumeResponse*) {
+  return Handle(ctx, "NodeUnpublishVolume", *req, ValidateNodeUnpublish(*req),
+                [](Responder r) { r.Finish(NotBuiltYet("NodeUnpublishVolume")); });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeGetVolumeStats(
+    grpc::CallbackServerContext* ctx, const csi::v1::NodeGetVolumeStatsRequest* req,
+    csi::v1::NodeGetVolumeStatsResponse*) {
+  return Handle(ctx, "NodeGetVolumeStats", *req, ValidateNodeGetVolumeStats(*req),
+                [](Responder r) { r.Finish(NotBuiltYet("NodeGetVolumeStats")); });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeExpandVolume(
+    grpc::CallbackServerContext* ctx, const csi::v1::NodeExpandVolumeRequest* req,
+    csi::v1::NodeExpandVolumeResponse*) {
+  // EXPAND_VOLUME is never advertised: FUSE volumes have no node-side size to grow.
+  return Handle(ctx, "NodeExpandVolume", *req, ValidateNodeExpand(*req), [](Responder r) {
+    r.Finish(absl::UnimplementedError(
+        "NodeExpandVolume is not supported: FUSE volumes have no node-side size to expand"));
+  });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeGetCapabilities(
+    grpc::CallbackServerContext* ctx, const csi::v1::NodeGetCapabilitiesRequest* req,
+    csi::v1::NodeGetCapabilitiesResponse* resp) {
+  return dispatcher_.Dispatch(ctx, "NodeGetCapabilities", /*quiet=*/true, *req,
+                              [resp](Responder r) {
+                                // Only implemented capabilities are advertised; mount-related
+                                // ones (STAGE_UNSTAGE_VOLUME, GET_VOLUME_STATS, VOLUME_CONDITION,
+                                // VOLUME_MOUNT_GROUP) arrive with the mount engine.
+                                resp->Clear();
+                                r.Finish(absl::OkStatus());
+                              });
+}
+
+grpc::ServerUnaryReactor* NodeService::NodeGetInfo(grpc::CallbackServerContext* ctx,
+                                                   const csi::v1::NodeGetInfoRequest* req,
+                                                   csi::v1::NodeGetInfoResponse* resp) {
+  return dispatcher_.Dispatch(ctx, "NodeGetInfo", /*quiet=*/true, *req, [this, resp](Responder r) {
+    resp->set_node_id(options_.node_id);
+    resp->set_max_volumes_per_node(options_.max_volumes_per_node);
+    r.Finish(absl::OkStatus());
+  });
+}
+
+}  // namespace fusekeeper

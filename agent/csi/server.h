@@ -1,0 +1,56 @@
+// CsiServer: the gRPC server kubelet talks to, on a Unix socket with mode 0660.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "agent/csi/endpoint.h"
+#include "agent/csi/identity_service.h"
+#include "agent/csi/node_service.h"
+#include "agent/csi/rpc.h"
+#include "agent/loop/loop.h"
+
+namespace fusekeeper {
+
+struct CsiServerOptions {
+  std::string endpoint;  // unix:///path/csi.sock
+  IdentityOptions identity;
+  NodeOptions node;
+};
+
+class CsiServer {
+ public:
+  // Main thread, before or while the loop runs (blocks briefly: stale-socket probe, bind).
+  // Fails with a clear message for a bad endpoint, a live agent already on the socket, or a
+  // non-socket file at the path.
+  static absl::StatusOr<std::unique_ptr<CsiServer>> Start(Loop& loop, CsiServerOptions options);
+  ~CsiServer();
+
+  const std::string& socket_path() const { return socket_path_; }
+
+  // Any thread, non-blocking: new RPCs get UNAVAILABLE and Probe reports not ready.
+  void BeginDraining() { dispatcher_.BeginDraining(); }
+
+  // Blocks; never on the loop thread (in-flight RPCs finish on the loop, which must keep
+  // running). Waits up to grace for in-flight RPCs, cancels what remains, stops listening and
+  // removes the socket file if it is still ours.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path);
+
+  Loop& loop_;
+  std::string socket_path_;
+  SocketFileId socket_id_;
+  RpcDispatcher dispatcher_;
+  IdentityService identity_;
+  NodeService node_;
+  std::unique_ptr<grpc::Server> server_;
+  bool shut_down_ = false;
+};
+
+}  // namespace fusekeeper

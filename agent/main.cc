@@ -1,0 +1,139 @@
+// fusekeeper: the node agent. Flags are read here and nowhere else; everything below main()
+// takes options structs.
+//
+// Lifecycle: block SIGTERM/SIGINT → set up the io_uring loop (clear failure if io_uring is
+// unavailable) → BlockingPool → CSI server on the socket → run the loop on this thread.
+// On SIGTERM/SIGINT: stop accepting RPCs (UNAVAILABLE, Probe not ready), let in-flight RPCs
+// finish within --shutdown_grace_ms, stop the pool, stop the loop, remove the socket, exit 0.
+#include <signal.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <regex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "agent/csi/server.h"
+#include "agent/loop/blocking_pool.h"
+#include "agent/loop/loop.h"
+#include "agent/loop/signals.h"
+#include "agent/version.h"
+#include "gflags/gflags.h"
+#include "glog/logging.h"
+
+namespace {
+
+std::string EnvOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::string(v) : fallback;
+}
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "";
+  return buf;
+}
+
+}  // namespace
+
+DEFINE_string(endpoint, EnvOr("CSI_ENDPOINT", "unix:///csi/csi.sock"),
+              "CSI endpoint to listen on, unix:///path/csi.sock (default: $CSI_ENDPOINT)");
+DEFINE_string(driver_name, "fusekeeper.csi",
+              "CSI driver name reported by GetPluginInfo; must match the CSIDriver object");
+DEFINE_string(node_id, "", "node id reported by NodeGetInfo (default: $NODE_NAME, else hostname)");
+DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
+DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
+DEFINE_int32(shutdown_grace_ms, 10000,
+             "on SIGTERM, how long in-flight RPCs and blocking work may take to finish");
+
+int main(int argc, char** argv) {
+  gflags::SetVersionString(fusekeeper::kVersion);
+  gflags::SetUsageMessage("fusekeeper CSI node agent for FUSE volumes");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+
+  // Before any thread exists, so that every thread inherits the mask and the loop's signalfd is
+  // the only taker. SIGPIPE: a peer closing a socket must be an error code, not our death.
+  fusekeeper::BlockSignals({SIGTERM, SIGINT});
+  signal(SIGPIPE, SIG_IGN);
+
+  // Driver names follow the CSI spec (what csi-sanity checks): alphanumeric at both ends,
+  // dashes, dots and underscores between, at most 63 characters.
+  static const std::regex kDriverName("^[a-zA-Z0-9]([A-Za-z0-9._-]{0,61}[a-zA-Z0-9])?$");
+  if (!std::regex_match(FLAGS_driver_name, kDriverName)) {
+    LOG(ERROR) << "--driver_name '" << FLAGS_driver_name
+               << "' is not a valid CSI driver name: 1-63 characters, alphanumeric at both ends, "
+                  "with '-', '_' and '.' allowed between";
+    return 2;
+  }
+  std::string node_id = FLAGS_node_id;
+  if (node_id.empty()) node_id = EnvOr("NODE_NAME", HostName());
+  if (node_id.empty()) {
+    LOG(ERROR) << "no node id: pass --node_id or set NODE_NAME (downward API spec.nodeName)";
+    return 2;
+  }
+  if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0) {
+    LOG(ERROR) << "--pool_threads and --pool_max_queued must be >= 1, --shutdown_grace_ms >= 0";
+    return 2;
+  }
+
+  auto loop_or = fusekeeper::Loop::Create();
+  if (!loop_or.ok()) {
+    LOG(ERROR) << loop_or.status().message();
+    return 3;
+  }
+  std::unique_ptr<fusekeeper::Loop> loop = std::move(*loop_or);
+  fusekeeper::BlockingPool pool(*loop, {.threads = FLAGS_pool_threads,
+                                        .max_queued = static_cast<size_t>(FLAGS_pool_max_queued)});
+
+  utsname uts{};
+  uname(&uts);
+  fusekeeper::CsiServerOptions server_options;
+  server_options.endpoint = FLAGS_endpoint;
+  server_options.identity.driver_name = FLAGS_driver_name;
+  server_options.identity.vendor_version = fusekeeper::kVersion;
+  server_options.identity.manifest = {
+      {"kernel", uts.release},
+      {"io_uring", loop->uses_defer_taskrun() ? "single_issuer+defer_taskrun" : "plain"}};
+  server_options.node.node_id = node_id;
+  auto server_or = fusekeeper::CsiServer::Start(*loop, std::move(server_options));
+  if (!server_or.ok()) {
+    LOG(ERROR) << server_or.status().message();
+    return 4;
+  }
+  std::unique_ptr<fusekeeper::CsiServer> server = std::move(*server_or);
+
+  const absl::Duration grace = absl::Milliseconds(FLAGS_shutdown_grace_ms);
+  std::thread shutdown_thread;
+  auto signals = fusekeeper::SignalWatcher::Create(*loop, {SIGTERM, SIGINT}, [&](int signo) {
+    if (shutdown_thread.joinable()) {
+      LOG(WARNING) << strsignal(signo) << " again: already shutting down";
+      return;
+    }
+    LOG(INFO) << strsignal(signo) << ": shutting down (grace " << grace << ")";
+    server->BeginDraining();
+    // The blocking half of shutdown runs off the loop, which keeps serving in-flight work.
+    shutdown_thread = std::thread([&] {
+      server->Shutdown(grace);
+      pool.Shutdown(grace);
+      loop->Stop();
+    });
+  });
+  if (!signals.ok()) {
+    LOG(ERROR) << signals.status().message();
+    return 5;
+  }
+
+  LOG(INFO) << "fusekeeper " << fusekeeper::kVersion << " node " << node_id << " driver "
+            << FLAGS_driver_name << " ready";
+  loop->Run();
+  if (shutdown_thread.joinable()) shutdown_thread.join();
+  server.reset();
+  LOG(INFO) << "fusekeeper stopped";
+  return 0;
+}

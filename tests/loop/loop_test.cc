@@ -1,0 +1,271 @@
+#include "agent/loop/loop.h"
+
+#include <errno.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/utsname.h>
+#include <poll.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/testing/loop_thread.h"
+
+namespace fusekeeper {
+namespace {
+
+using std::chrono::milliseconds;
+
+TEST(LoopTest, PostRunsOnLoopThreadInOrder) {
+  LoopThread lt;
+  std::vector<int> seen;
+  std::promise<void> done;
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(lt.loop().Post([&, i] {
+      EXPECT_TRUE(lt.loop().IsLoopThread());
+      seen.push_back(i);
+      if (i == 99) done.set_value();
+    }));
+  }
+  ASSERT_EQ(done.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_EQ(seen.size(), 100u);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(seen[i], i);
+  EXPECT_FALSE(lt.loop().IsLoopThread());
+}
+
+TEST(LoopTest, PostsFromManyThreadsAllRunOncePreservingPerThreadOrder) {
+  LoopThread lt;
+  constexpr int kThreads = 8;
+  constexpr int kPerThread = 20000;
+  std::vector<int> last(kThreads, -1);  // only touched on the loop thread
+  std::atomic<int> out_of_order{0};
+  std::atomic<int> total{0};
+  std::promise<void> all_done;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        bool ok = lt.loop().Post([&, t, i] {
+          if (last[t] != i - 1) out_of_order++;
+          last[t] = i;
+          if (total.fetch_add(1) + 1 == kThreads * kPerThread) all_done.set_value();
+        });
+        ASSERT_TRUE(ok);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(all_done.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(total.load(), kThreads * kPerThread);
+  EXPECT_EQ(out_of_order.load(), 0);
+}
+
+TEST(LoopTest, TimersFireInDeadlineOrderAndCancelledOnesNever) {
+  LoopThread lt;
+  std::vector<int> fired;
+  std::promise<void> done;
+  lt.RunOnLoop([&] {
+    Loop& loop = lt.loop();
+    loop.AddTimer(milliseconds(30), [&] { fired.push_back(3); });
+    loop.AddTimer(milliseconds(10), [&] { fired.push_back(1); });
+    TimerId cancelled = loop.AddTimer(milliseconds(15), [&] { fired.push_back(99); });
+    loop.AddTimer(milliseconds(20), [&] { fired.push_back(2); });
+    loop.AddTimer(milliseconds(40), [&] { done.set_value(); });
+    EXPECT_TRUE(loop.CancelTimer(cancelled));
+    EXPECT_FALSE(loop.CancelTimer(cancelled));
+  });
+  ASSERT_EQ(done.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(fired, (std::vector<int>{1, 2, 3}));
+}
+
+TEST(LoopTest, TimerDoesNotFireEarly) {
+  LoopThread lt;
+  std::promise<std::chrono::nanoseconds> elapsed;
+  lt.RunOnLoop([&] {
+    auto start = LoopClock::now();
+    lt.loop().AddTimer(milliseconds(25), [&, start] { elapsed.set_value(LoopClock::now() - start); });
+  });
+  auto f = elapsed.get_future();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_GE(f.get(), milliseconds(25));
+}
+
+TEST(LoopTest, SelfRearmingZeroDelayTimerDoesNotStarvePosts) {
+  LoopThread lt;
+  std::atomic<bool> stop{false};
+  std::atomic<int> ticks{0};
+  std::function<void()> tick = [&] {
+    ticks++;
+    if (!stop) lt.loop().AddTimer(std::chrono::nanoseconds(0), tick);
+  };
+  lt.RunOnLoop([&] { lt.loop().AddTimer(std::chrono::nanoseconds(0), tick); });
+  // A post from another thread still gets through while the timer spins.
+  std::promise<void> posted;
+  ASSERT_TRUE(lt.loop().Post([&] { posted.set_value(); }));
+  ASSERT_EQ(posted.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  stop = true;
+  lt.RunOnLoop([] {});
+  EXPECT_GT(ticks.load(), 0);
+}
+
+TEST(LoopTest, ReadCompletesWithData) {
+  LoopThread lt;
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  UniqueFd r(p[0]), w(p[1]);
+  char buf[16] = {};
+  Completion c;
+  std::promise<int32_t> result;
+  c.callback = [&](int32_t res, bool more) {
+    EXPECT_FALSE(more);
+    result.set_value(res);
+  };
+  lt.RunOnLoop([&] { lt.loop().Read(&c, r.get(), buf, sizeof(buf), 0); });
+  ASSERT_EQ(write(w.get(), "hello", 5), 5);
+  auto f = result.get_future();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(f.get(), 5);
+  EXPECT_EQ(std::string(buf, 5), "hello");
+}
+
+TEST(LoopTest, MultishotPollDeliversRepeatedlyAndCancelEndsIt) {
+  LoopThread lt;
+  UniqueFd efd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  ASSERT_TRUE(efd.valid());
+  Completion c;
+  std::atomic<int> events{0};
+  std::promise<int32_t> final_res;
+  std::promise<void> first, second;
+  c.callback = [&](int32_t res, bool more) {
+    if (!more) {
+      final_res.set_value(res);
+      return;
+    }
+    uint64_t v;
+    ASSERT_EQ(read(efd.get(), &v, sizeof(v)), 8);
+    int n = ++events;
+    if (n == 1) first.set_value();
+    if (n == 2) second.set_value();
+  };
+  lt.RunOnLoop([&] { lt.loop().PollAdd(&c, efd.get(), POLLIN, /*multishot=*/true); });
+  uint64_t one = 1;
+  ASSERT_EQ(write(efd.get(), &one, 8), 8);
+  ASSERT_EQ(first.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_EQ(write(efd.get(), &one, 8), 8);
+  ASSERT_EQ(second.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  lt.RunOnLoop([&] { lt.loop().Cancel(&c); });
+  auto f = final_res.get_future();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(f.get(), -ECANCELED);
+  EXPECT_EQ(events.load(), 2);
+}
+
+TEST(LoopTest, ThousandsOfConcurrentReadsAllComplete) {
+  rlimit lim;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &lim), 0);
+  constexpr int kOps = 3000;
+  if (lim.rlim_cur < 2 * kOps + 100) {
+    lim.rlim_cur = std::min<rlim_t>(lim.rlim_max, 2 * kOps + 100);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lim), 0);
+  }
+  if (lim.rlim_cur < 2 * kOps + 100) GTEST_SKIP() << "RLIMIT_NOFILE hard limit too low";
+  LoopThread lt;
+  struct Op {
+    UniqueFd r, w;
+    char byte = 0;
+    Completion c;
+  };
+  std::vector<Op> ops(kOps);
+  std::atomic<int> completed{0};
+  std::atomic<int> wrong{0};
+  std::promise<void> all;
+  for (int i = 0; i < kOps; ++i) {
+    int p[2];
+    ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+    ops[i].r.Reset(p[0]);
+    ops[i].w.Reset(p[1]);
+    ops[i].c.callback = [&, i](int32_t res, bool) {
+      if (res != 1 || ops[i].byte != static_cast<char>('a' + i % 26)) wrong++;
+      if (++completed == kOps) all.set_value();
+    };
+  }
+  lt.RunOnLoop([&] {
+    for (auto& op : ops) lt.loop().Read(&op.c, op.r.get(), &op.byte, 1, 0);
+  });
+  size_t in_flight = 0;
+  lt.RunOnLoop([&] { in_flight = lt.loop().in_flight(); });
+  EXPECT_GE(in_flight, static_cast<size_t>(kOps));  // all waiting at once (plus the wake read)
+  for (int i = 0; i < kOps; ++i) {
+    char b = static_cast<char>('a' + i % 26);
+    ASSERT_EQ(write(ops[i].w.get(), &b, 1), 1);
+  }
+  ASSERT_EQ(all.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST(LoopTest, StopCancelsInFlightWorkRunsQueuedPostsThenRefusesPosts) {
+  auto loop_or = Loop::Create();
+  ASSERT_TRUE(loop_or.ok()) << loop_or.status();
+  std::unique_ptr<Loop> loop = std::move(*loop_or);
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  UniqueFd r(p[0]), w(p[1]);
+  char buf[4];
+  constexpr int kReads = 50;
+  std::vector<Completion> reads(kReads);
+  std::atomic<int> cancelled{0};
+  std::atomic<int> rearm_refused{0};
+  Completion rearm;  // armed from a cancellation callback, during stop
+  rearm.callback = [&](int32_t res, bool) {
+    if (res == -ECANCELED) rearm_refused++;
+  };
+  bool timer_ran = false;
+  for (auto& c : reads) {
+    c.callback = [&](int32_t res, bool) {
+      if (res == -ECANCELED || res == -EINTR) cancelled++;
+      if (!rearm.in_flight && rearm_refused == 0) loop->Read(&rearm, r.get(), buf, 1, 0);
+    };
+    loop->Read(&c, r.get(), buf, sizeof(buf), 0);
+  }
+  loop->AddTimer(std::chrono::hours(1), [&] { timer_ran = true; });
+  std::thread runner([&] { loop->Run(); });
+  // Let the loop start, then queue a post and stop from this thread.
+  std::promise<void> started;
+  ASSERT_TRUE(loop->Post([&] { started.set_value(); }));
+  ASSERT_EQ(started.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(loop->running());
+  bool queued_post_ran = false;
+  ASSERT_TRUE(loop->Post([&] { queued_post_ran = true; }));
+  loop->Stop();
+  EXPECT_FALSE(loop->running());
+  runner.join();
+  EXPECT_TRUE(queued_post_ran);
+  EXPECT_EQ(cancelled.load(), kReads);
+  EXPECT_EQ(rearm_refused.load(), 1);
+  EXPECT_FALSE(timer_ran);
+  EXPECT_EQ(loop->in_flight(), 0u);
+  EXPECT_FALSE(loop->Post([] {}));
+}
+
+TEST(LoopTest, UsesSingleIssuerDeferTaskrunWhereTheKernelHasIt) {
+  utsname u;
+  ASSERT_EQ(uname(&u), 0);
+  int major = 0, minor = 0;
+  sscanf(u.release, "%d.%d", &major, &minor);
+  if (major < 6 || (major == 6 && minor < 1)) {
+    GTEST_SKIP() << "kernel " << u.release << " predates IORING_SETUP_DEFER_TASKRUN (6.1)";
+  }
+  auto loop = Loop::Create();
+  ASSERT_TRUE(loop.ok()) << loop.status();
+  // 6.1+ kernels support it; the fallback path is for older ones.
+  EXPECT_TRUE((*loop)->uses_defer_taskrun());
+}
+
+}  // namespace
+}  // namespace fusekeeper
