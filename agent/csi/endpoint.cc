@@ -97,13 +97,16 @@ absl::StatusOr<SocketFileId> StatSocketFile(const std::string& path) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) return ErrnoStatus(errno, "lstat", path);
   if (!S_ISSOCK(st.st_mode)) return absl::FailedPreconditionError(path + " is not a socket");
-  return SocketFileId{st.st_dev, st.st_ino};
+  return SocketFileId{st.st_dev, st.st_ino, st.st_ctim};
 }
 
 bool RemoveSocketIfOurs(const std::string& path, const SocketFileId& id) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) return false;
-  if (!S_ISSOCK(st.st_mode) || st.st_dev != id.dev || st.st_ino != id.ino) return false;
+  if (!S_ISSOCK(st.st_mode) || st.st_dev != id.dev || st.st_ino != id.ino ||
+      st.st_ctim.tv_sec != id.ctime.tv_sec || st.st_ctim.tv_nsec != id.ctime.tv_nsec) {
+    return false;
+  }
   return unlink(path.c_str()) == 0;
 }
 

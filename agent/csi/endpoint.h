@@ -3,6 +3,7 @@
 #pragma once
 
 #include <sys/types.h>
+#include <time.h>
 
 #include <string>
 
@@ -29,9 +30,12 @@ absl::StatusOr<std::string> ParseUnixEndpoint(absl::string_view endpoint);
 absl::Status PrepareSocketPath(const std::string& path);
 
 // Identity of a socket file, to remove it at shutdown only if it is still the one we created.
+// Inode numbers are reused quickly (tmpfs), so the change time is part of the identity; record it
+// after the last chmod.
 struct SocketFileId {
   dev_t dev = 0;
   ino_t ino = 0;
+  struct timespec ctime = {};
 };
 absl::StatusOr<SocketFileId> StatSocketFile(const std::string& path);
 // Removes path if it is still the socket identified by id; returns whether it did.

@@ -10,11 +10,12 @@ IdentityService::IdentityService(Loop& loop, RpcDispatcher& dispatcher, Identity
 grpc::ServerUnaryReactor* IdentityService::GetPluginInfo(grpc::CallbackServerContext* ctx,
                                                          const csi::v1::GetPluginInfoRequest* req,
                                                          csi::v1::GetPluginInfoResponse* resp) {
-  return dispatcher_.Dispatch(ctx, "GetPluginInfo", /*quiet=*/true, *req, [this, resp](Responder r) {
-    resp->set_name(options_.driver_name);
-    resp->set_vendor_version(options_.vendor_version);
-    for (const auto& [k, v] : options_.manifest) (*resp->mutable_manifest())[k] = v;
-    r.Finish(absl::OkStatus());
+  return dispatcher_.Dispatch(ctx, "GetPluginInfo", /*quiet=*/true, *req, resp, [this](Responder r) {
+    csi::v1::GetPluginInfoResponse info;
+    info.set_name(options_.driver_name);
+    info.set_vendor_version(options_.vendor_version);
+    for (const auto& [k, v] : options_.manifest) (*info.mutable_manifest())[k] = v;
+    r.Reply(info);
   });
 }
 
@@ -23,19 +24,17 @@ grpc::ServerUnaryReactor* IdentityService::GetPluginCapabilities(
     csi::v1::GetPluginCapabilitiesResponse* resp) {
   // A node-only plugin: no CONTROLLER_SERVICE, and volumes are reachable from every node, so no
   // VOLUME_ACCESSIBILITY_CONSTRAINTS. The response is legitimately empty.
-  return dispatcher_.Dispatch(ctx, "GetPluginCapabilities", /*quiet=*/true, *req,
-                              [resp](Responder r) {
-                                resp->Clear();
-                                r.Finish(absl::OkStatus());
-                              });
+  return dispatcher_.Dispatch(ctx, "GetPluginCapabilities", /*quiet=*/true, *req, resp,
+                              [](Responder r) { r.Finish(absl::OkStatus()); });
 }
 
 grpc::ServerUnaryReactor* IdentityService::Probe(grpc::CallbackServerContext* ctx,
                                                  const csi::v1::ProbeRequest* req,
                                                  csi::v1::ProbeResponse* resp) {
-  return dispatcher_.Dispatch(ctx, "Probe", /*quiet=*/true, *req, [this, resp](Responder r) {
-    resp->mutable_ready()->set_value(loop_.running() && !dispatcher_.draining());
-    r.Finish(absl::OkStatus());
+  return dispatcher_.Dispatch(ctx, "Probe", /*quiet=*/true, *req, resp, [this](Responder r) {
+    csi::v1::ProbeResponse probe;
+    probe.mutable_ready()->set_value(loop_.running() && !dispatcher_.draining());
+    r.Reply(probe);
   });
 }
 

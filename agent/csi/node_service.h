@@ -52,7 +52,8 @@ class NodeService final : public csi::v1::Node::CallbackService {
   // Validates on the gRPC thread (pure), then runs `work` on the loop thread.
   template <typename Req>
   grpc::ServerUnaryReactor* Handle(grpc::CallbackServerContext* ctx, const char* method,
-                                   const Req& req, absl::Status validation,
+                                   const Req& req, google::protobuf::Message* resp,
+                                   absl::Status validation,
                                    absl::AnyInvocable<void(Responder)> work);
 
   Loop& loop_;

@@ -1,6 +1,7 @@
 #include "agent/csi/rpc.h"
 
 #include <utility>
+#include <vector>
 
 namespace fusekeeper {
 
@@ -9,33 +10,82 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-Responder::Responder(grpc::ServerUnaryReactor* reactor, const char* method, bool quiet)
-    : reactor_(reactor), method_(method), quiet_(quiet), start_(absl::Now()) {}
+RpcCall::RpcCall(RpcDispatcher* dispatcher, grpc::ServerUnaryReactor* reactor,
+                 google::protobuf::Message* response, const char* method, bool quiet)
+    : dispatcher_(dispatcher),
+      method_(method),
+      quiet_(quiet),
+      start_(absl::Now()),
+      reactor_(reactor),
+      response_(response) {}
 
-Responder::Responder(Responder&& other) noexcept
-    : reactor_(std::exchange(other.reactor_, nullptr)),
-      method_(other.method_),
-      quiet_(other.quiet_),
-      start_(other.start_) {}
+bool RpcCall::Finish(const absl::Status& status, const google::protobuf::Message* body) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (reactor_ == nullptr) return false;
+    if (status.ok() && body != nullptr) response_->CopyFrom(*body);
+    const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start_);
+    if (!status.ok()) {
+      LOG(WARNING) << method_ << " -> " << absl::StatusCodeToString(status.code()) << ": "
+                   << status.message() << " (" << micros << "us)";
+    } else if (quiet_) {
+      VLOG(2) << method_ << " -> OK (" << micros << "us)";
+    } else {
+      LOG(INFO) << method_ << " -> OK (" << micros << "us)";
+    }
+    std::exchange(reactor_, nullptr)->Finish(ToGrpcStatus(status));
+    response_ = nullptr;
+  }
+  dispatcher_->Unregister(this);
+  return true;
+}
 
 Responder::~Responder() {
-  if (reactor_ != nullptr) {
-    Finish(absl::InternalError(std::string(method_) + " was dropped without a result (agent bug)"));
+  if (call_ != nullptr) {
+    call_->Finish(absl::InternalError("the RPC was dropped without a result (agent bug)"), nullptr);
   }
 }
 
-void Responder::Finish(const absl::Status& status) {
-  if (reactor_ == nullptr) return;
-  const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start_);
-  if (!status.ok()) {
-    LOG(WARNING) << method_ << " -> " << absl::StatusCodeToString(status.code()) << ": "
-                 << status.message() << " (" << micros << "us)";
-  } else if (quiet_) {
-    VLOG(2) << method_ << " -> OK (" << micros << "us)";
-  } else {
-    LOG(INFO) << method_ << " -> OK (" << micros << "us)";
+void Responder::Done(const absl::Status& status, const google::protobuf::Message* body) {
+  if (call_ == nullptr) return;
+  std::exchange(call_, nullptr)->Finish(status, body);
+}
+
+void RpcDispatcher::Register(const std::shared_ptr<RpcCall>& call) {
+  absl::MutexLock lock(&mu_);
+  in_flight_.insert(call);
+}
+
+void RpcDispatcher::Unregister(RpcCall* call) {
+  absl::MutexLock lock(&mu_);
+  // Aliasing shared_ptr with a no-op deleter: lets us look the call up by raw pointer.
+  in_flight_.erase(std::shared_ptr<RpcCall>(std::shared_ptr<RpcCall>(), call));
+}
+
+int RpcDispatcher::WaitIdle(absl::Duration timeout) {
+  CHECK(!loop_.IsLoopThread()) << "WaitIdle blocks; call it off the loop thread";
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_.empty(); };
+  mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  return static_cast<int>(in_flight_.size());
+}
+
+int RpcDispatcher::AbandonInFlight() {
+  std::vector<std::shared_ptr<RpcCall>> calls;
+  {
+    absl::MutexLock lock(&mu_);
+    calls.assign(in_flight_.begin(), in_flight_.end());
   }
-  std::exchange(reactor_, nullptr)->Finish(ToGrpcStatus(status));
+  int abandoned = 0;
+  for (auto& call : calls) {
+    if (call->Finish(absl::UnavailableError(
+                         "fusekeeper shut down before this operation finished; it may still "
+                         "complete: retry to learn its outcome"),
+                     nullptr)) {
+      ++abandoned;
+    }
+  }
+  return abandoned;
 }
 
 }  // namespace fusekeeper

@@ -1,42 +1,73 @@
 // RpcDispatcher: how every CSI RPC runs. gRPC calls a handler on one of its threads; we log the
 // request (secrets redacted), hand the work to the loop with Post, and the loop-side code finishes
-// the call through a Responder — now, or later when ring or pool work completes. A Responder
-// finishes its RPC exactly once: if it is dropped unfinished, the RPC fails with INTERNAL rather
-// than hanging the caller.
+// the call through a Responder — now, or later when ring or pool work completes.
+//
+// Exactly-once finishing: a call is finished by whichever comes first of (a) its Responder,
+// (b) the Responder being dropped unfinished (INTERNAL, rather than a hung caller), or
+// (c) shutdown giving up on it after the grace period (UNAVAILABLE). Handlers never write into
+// gRPC's response message themselves: they pass their own to Reply(), which copies it in under the
+// call's lock only if the call is still open — so a call abandoned at shutdown (whose message gRPC
+// may already have freed) is never touched again.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <memory>
 #include <string>
+#include <unordered_set>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "agent/csi/redact.h"
 #include "agent/loop/loop.h"
 #include "glog/logging.h"
+#include "google/protobuf/message.h"
 
 namespace fusekeeper {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+class RpcDispatcher;
+
+// One RPC between Dispatch and its single Finish. Thread-safe.
+class RpcCall {
+ public:
+  RpcCall(RpcDispatcher* dispatcher, grpc::ServerUnaryReactor* reactor,
+          google::protobuf::Message* response, const char* method, bool quiet);
+  // Finishes the call unless it already was; copies body (if any and status is OK) into the
+  // response first. Returns false if the call had already been finished.
+  bool Finish(const absl::Status& status, const google::protobuf::Message* body);
+
+ private:
+  RpcDispatcher* const dispatcher_;
+  const char* const method_;
+  const bool quiet_;
+  const absl::Time start_;
+  absl::Mutex mu_;
+  grpc::ServerUnaryReactor* reactor_ ABSL_GUARDED_BY(mu_);
+  google::protobuf::Message* response_ ABSL_GUARDED_BY(mu_);
+};
+
+// Move-only handle the loop-side code uses to answer one RPC.
 class Responder {
  public:
-  Responder(grpc::ServerUnaryReactor* reactor, const char* method, bool quiet);
-  Responder(Responder&& other) noexcept;
+  explicit Responder(std::shared_ptr<RpcCall> call) : call_(std::move(call)) {}
+  Responder(Responder&&) noexcept = default;
   Responder& operator=(Responder&&) = delete;
   Responder(const Responder&) = delete;
   ~Responder();
 
-  // Any thread. Finishes the RPC; the response message must be filled in before.
-  void Finish(const absl::Status& status);
+  // Any thread. OK with an empty response body.
+  void Finish(const absl::Status& status) { Done(status, nullptr); }
+  // Any thread. OK with this response body.
+  void Reply(const google::protobuf::Message& body) { Done(absl::OkStatus(), &body); }
 
  private:
-  grpc::ServerUnaryReactor* reactor_;
-  const char* method_;
-  bool quiet_;
-  absl::Time start_;
+  void Done(const absl::Status& status, const google::protobuf::Message* body);
+  std::shared_ptr<RpcCall> call_;
 };
 
 class RpcDispatcher {
@@ -47,11 +78,17 @@ class RpcDispatcher {
   void BeginDraining() { draining_.store(true, std::memory_order_release); }
   bool draining() const { return draining_.load(std::memory_order_acquire); }
 
+  // Blocks (not on the loop thread) until no RPC is in flight or timeout passes; returns the
+  // number still in flight.
+  int WaitIdle(absl::Duration timeout);
+  // Any thread. Finishes every call still in flight with UNAVAILABLE; returns how many.
+  int AbandonInFlight();
+
   // gRPC thread. `quiet` RPCs (Probe, GetPluginInfo...: polled by sidecars) log at VLOG(2) only.
-  // handler runs on the loop thread and must finish the Responder (or hand it on).
+  // handler runs on the loop thread and must answer through the Responder (or hand it on).
   template <typename Req>
   grpc::ServerUnaryReactor* Dispatch(grpc::CallbackServerContext* ctx, const char* method,
-                                     bool quiet, const Req& req,
+                                     bool quiet, const Req& req, google::protobuf::Message* resp,
                                      absl::AnyInvocable<void(Responder)> handler) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     if (quiet) {
@@ -59,24 +96,30 @@ class RpcDispatcher {
     } else {
       LOG(INFO) << method << " " << RedactedDebugString(req);
     }
-    Responder responder(reactor, method, quiet);
+    auto call = std::make_shared<RpcCall>(this, reactor, resp, method, quiet);
     if (draining()) {
-      responder.Finish(absl::UnavailableError("fusekeeper is shutting down"));
+      call->Finish(absl::UnavailableError("fusekeeper is shutting down"), nullptr);
       return reactor;
     }
-    // If the loop refuses the post (it has stopped), the lambda is destroyed unrun and we still
-    // hold the Responder, so the caller gets UNAVAILABLE instead of a hang.
-    auto shared = std::make_shared<Responder>(std::move(responder));
-    bool posted = loop_.Post([shared, handler = std::move(handler)]() mutable {
-      handler(std::move(*shared));
+    Register(call);
+    // If the loop refuses the post (it has stopped), the lambda is destroyed unrun; we still hold
+    // the call, so the caller gets UNAVAILABLE instead of a hang.
+    bool posted = loop_.Post([call, handler = std::move(handler)]() mutable {
+      handler(Responder(call));
     });
-    if (!posted) shared->Finish(absl::UnavailableError("fusekeeper event loop has stopped"));
+    if (!posted) call->Finish(absl::UnavailableError("fusekeeper event loop has stopped"), nullptr);
     return reactor;
   }
 
  private:
+  friend class RpcCall;
+  void Register(const std::shared_ptr<RpcCall>& call);
+  void Unregister(RpcCall* call);
+
   Loop& loop_;
   std::atomic<bool> draining_{false};
+  absl::Mutex mu_;
+  std::unordered_set<std::shared_ptr<RpcCall>> in_flight_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fusekeeper

@@ -59,9 +59,20 @@ void CsiServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
   BeginDraining();
-  // gRPC waits for in-flight calls until the deadline, then cancels them.
-  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
+  // We wait for our own in-flight RPCs, then stop gRPC with an immediate deadline: given a
+  // later deadline, grpc::Server::Shutdown also waits for idle client connections (kubelet keeps
+  // one open) to go away, which would make shutdown time depend on clients.
+  const absl::Time start = absl::Now();
+  if (dispatcher_.WaitIdle(grace) > 0) {
+    // grpc::Server::Shutdown waits for every call to be finished, so finish the stragglers
+    // ourselves; their loop-side work no longer touches the call once it is finished.
+    const int abandoned = dispatcher_.AbandonInFlight();
+    LOG(WARNING) << abandoned << " RPCs still in flight after " << grace
+                 << "; answered UNAVAILABLE";
+  }
+  server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
+  LOG(INFO) << "CSI server stopped in " << absl::Now() - start;
   if (RemoveSocketIfOurs(socket_path_, socket_id_)) {
     LOG(INFO) << "removed " << socket_path_;
   }

@@ -40,6 +40,8 @@ class CsiServer {
   // removes the socket file if it is still ours.
   void Shutdown(absl::Duration grace);
 
+  int InFlightRpcsForTest() { return dispatcher_.WaitIdle(absl::ZeroDuration()); }
+
  private:
   CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path);
 

@@ -1,0 +1,196 @@
+// The real fusekeeper binary as a process: start-up checks, readiness, and orderly shutdown.
+#include <grpcpp/grpcpp.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+
+#include <fstream>
+
+#include "agent/version.h"
+#include "gtest/gtest.h"
+#include "proto/csi.grpc.pb.h"
+#include "tests/testing/loop_thread.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+namespace {
+
+using std::chrono::milliseconds;
+constexpr milliseconds kExitDeadline{20000};
+
+std::string Agent() { return RunfilePath("agent/fusekeeper"); }
+
+std::shared_ptr<grpc::Channel> Dial(const std::string& socket) {
+  grpc::ChannelArguments args;
+  // Retry fast while the agent is starting; the default backoff starts at 1 s.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 10);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 10);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
+  return grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
+}
+
+bool WaitReady(const std::shared_ptr<grpc::Channel>& ch) {
+  return ch->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline);
+}
+
+int ExitCode(std::optional<int> status) {
+  EXPECT_TRUE(status.has_value()) << "process did not exit in time";
+  if (!status) return -1;
+  EXPECT_TRUE(WIFEXITED(*status)) << "status " << *status;
+  return WEXITSTATUS(*status);
+}
+
+TEST(AgentProcessTest, ServesThenShutsDownCleanlyOnSigterm) {
+  ShortTempDir dir;
+  const std::string sock = dir.path() + "/csi.sock";
+  Subprocess agent({Agent(), "--endpoint=unix://" + sock}, {"NODE_NAME=node-from-env"});
+  auto ch = Dial(sock);
+  ASSERT_TRUE(WaitReady(ch)) << agent.Stderr();
+  auto identity = csi::v1::Identity::NewStub(ch);
+  auto node = csi::v1::Node::NewStub(ch);
+
+  csi::v1::GetPluginInfoResponse info;
+  grpc::ClientContext c1;
+  ASSERT_TRUE(identity->GetPluginInfo(&c1, {}, &info).ok());
+  EXPECT_EQ(info.name(), "fusekeeper.csi");
+  EXPECT_EQ(info.vendor_version(), kVersion);
+
+  csi::v1::ProbeResponse probe;
+  grpc::ClientContext c2;
+  ASSERT_TRUE(identity->Probe(&c2, {}, &probe).ok());
+  EXPECT_TRUE(probe.ready().value());
+
+  csi::v1::NodeGetInfoResponse node_info;
+  grpc::ClientContext c3;
+  ASSERT_TRUE(node->NodeGetInfo(&c3, {}, &node_info).ok());
+  EXPECT_EQ(node_info.node_id(), "node-from-env");  // NODE_NAME when --node_id is absent
+
+  struct stat st;
+  ASSERT_EQ(lstat(sock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+
+  agent.Signal(SIGTERM);
+  EXPECT_EQ(ExitCode(agent.Wait(kExitDeadline)), 0) << agent.Stderr();
+  EXPECT_NE(access(sock.c_str(), F_OK), 0) << "socket left behind";
+  EXPECT_NE(agent.Stderr().find("shutting down"), std::string::npos);
+}
+
+TEST(AgentProcessTest, NodeIdFlagWinsOverEnvironment) {
+  ShortTempDir dir;
+  const std::string sock = dir.path() + "/csi.sock";
+  Subprocess agent({Agent(), "--endpoint=unix://" + sock, "--node_id=flag-node"},
+                   {"NODE_NAME=env-node"});
+  auto ch = Dial(sock);
+  ASSERT_TRUE(WaitReady(ch)) << agent.Stderr();
+  csi::v1::NodeGetInfoResponse node_info;
+  grpc::ClientContext c;
+  ASSERT_TRUE(csi::v1::Node::NewStub(ch)->NodeGetInfo(&c, {}, &node_info).ok());
+  EXPECT_EQ(node_info.node_id(), "flag-node");
+  agent.Signal(SIGINT);
+  EXPECT_EQ(ExitCode(agent.Wait(kExitDeadline)), 0);
+}
+
+TEST(AgentProcessTest, EndpointFromCsiEndpointEnvironment) {
+  ShortTempDir dir;
+  const std::string sock = dir.path() + "/env.sock";
+  Subprocess agent({Agent(), "--node_id=n"}, {"CSI_ENDPOINT=unix://" + sock});
+  ASSERT_TRUE(WaitReady(Dial(sock))) << agent.Stderr();
+  agent.Signal(SIGTERM);
+  EXPECT_EQ(ExitCode(agent.Wait(kExitDeadline)), 0);
+}
+
+TEST(AgentProcessTest, ReplacesAStaleSocketFromACrashedAgent) {
+  ShortTempDir dir;
+  const std::string sock = dir.path() + "/csi.sock";
+  {
+    Subprocess crashed({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+    ASSERT_TRUE(WaitReady(Dial(sock))) << crashed.Stderr();
+    crashed.Signal(SIGKILL);
+    ASSERT_TRUE(crashed.Wait(kExitDeadline).has_value());
+  }
+  ASSERT_EQ(access(sock.c_str(), F_OK), 0) << "kill -9 should leave the socket file behind";
+  Subprocess agent({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+  auto ch = Dial(sock);
+  ASSERT_TRUE(WaitReady(ch)) << agent.Stderr();
+  csi::v1::ProbeResponse probe;
+  grpc::ClientContext c;
+  EXPECT_TRUE(csi::v1::Identity::NewStub(ch)->Probe(&c, {}, &probe).ok());
+}
+
+TEST(AgentProcessTest, RefusesToStartWhileAnotherAgentServes) {
+  ShortTempDir dir;
+  const std::string sock = dir.path() + "/csi.sock";
+  Subprocess first({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+  ASSERT_TRUE(WaitReady(Dial(sock))) << first.Stderr();
+  Subprocess second({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+  EXPECT_NE(ExitCode(second.Wait(kExitDeadline)), 0);
+  EXPECT_NE(second.Stderr().find("another process is serving"), std::string::npos)
+      << second.Stderr();
+  // The first one is unharmed.
+  auto ch = Dial(sock);
+  csi::v1::ProbeResponse probe;
+  grpc::ClientContext c;
+  EXPECT_TRUE(csi::v1::Identity::NewStub(ch)->Probe(&c, {}, &probe).ok());
+}
+
+TEST(AgentProcessTest, RefusesANonSocketFileAtTheEndpoint) {
+  ShortTempDir dir;
+  const std::string path = dir.path() + "/csi.sock";
+  { std::ofstream(path) << "precious data"; }
+  Subprocess agent({Agent(), "--endpoint=unix://" + path, "--node_id=n"});
+  EXPECT_NE(ExitCode(agent.Wait(kExitDeadline)), 0);
+  EXPECT_NE(agent.Stderr().find("not a socket"), std::string::npos) << agent.Stderr();
+  std::ifstream in(path);
+  std::string content((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(content, "precious data");
+}
+
+TEST(AgentProcessTest, RefusesAnEndpointTooLongForSunPath) {
+  std::string long_path = "/tmp/" + std::string(120, 'x') + "/csi.sock";
+  Subprocess agent({Agent(), "--endpoint=unix://" + long_path, "--node_id=n"});
+  EXPECT_NE(ExitCode(agent.Wait(kExitDeadline)), 0);
+  EXPECT_NE(agent.Stderr().find("at most 107 bytes"), std::string::npos) << agent.Stderr();
+}
+
+TEST(AgentProcessTest, RefusesAnInvalidDriverName) {
+  ShortTempDir dir;
+  Subprocess agent({Agent(), "--endpoint=unix://" + dir.path() + "/csi.sock", "--node_id=n",
+                    "--driver_name=-bad name-"});
+  EXPECT_NE(ExitCode(agent.Wait(kExitDeadline)), 0);
+  EXPECT_NE(agent.Stderr().find("not a valid CSI driver name"), std::string::npos)
+      << agent.Stderr();
+}
+
+// Makes io_uring_setup fail with EPERM, as a container runtime's default seccomp profile does.
+void DenyIoUringBySeccomp() {
+  static sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  static sock_fprog prog = {sizeof(filter) / sizeof(filter[0]), filter};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) _exit(126);
+  if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) _exit(126);
+}
+
+TEST(AgentProcessTest, SaysClearlyWhenIoUringIsBlocked) {
+  ShortTempDir dir;
+  const std::string sock = dir.path() + "/csi.sock";
+  Subprocess agent({Agent(), "--endpoint=unix://" + sock, "--node_id=n"}, {},
+                   DenyIoUringBySeccomp);
+  int code = ExitCode(agent.Wait(kExitDeadline));
+  ASSERT_NE(code, 126) << "could not install the seccomp filter";
+  EXPECT_NE(code, 0);
+  const std::string err = agent.Stderr();
+  EXPECT_NE(err.find("io_uring unavailable"), std::string::npos) << err;
+  EXPECT_NE(err.find("seccomp"), std::string::npos) << err;
+  EXPECT_NE(access(sock.c_str(), F_OK), 0) << "no socket may be created when start-up fails";
+}
+
+}  // namespace
+}  // namespace fusekeeper
