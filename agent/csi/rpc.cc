@@ -70,6 +70,14 @@ int RpcDispatcher::WaitIdle(absl::Duration timeout) {
   return static_cast<int>(in_flight_.size());
 }
 
+bool RpcDispatcher::AwaitInFlightForTest(int n, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int>(in_flight_.size()) == n;
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+}
+
 int RpcDispatcher::AbandonInFlight() {
   std::vector<std::shared_ptr<RpcCall>> calls;
   {

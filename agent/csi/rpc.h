@@ -81,6 +81,8 @@ class RpcDispatcher {
   // Blocks (not on the loop thread) until no RPC is in flight or timeout passes; returns the
   // number still in flight.
   int WaitIdle(absl::Duration timeout);
+  // Blocks until exactly n RPCs are in flight or timeout passes; returns whether they were.
+  bool AwaitInFlightForTest(int n, absl::Duration timeout);
   // Any thread. Finishes every call still in flight with UNAVAILABLE; returns how many.
   int AbandonInFlight();
 

@@ -40,7 +40,9 @@ class CsiServer {
   // removes the socket file if it is still ours.
   void Shutdown(absl::Duration grace);
 
-  int InFlightRpcsForTest() { return dispatcher_.WaitIdle(absl::ZeroDuration()); }
+  bool AwaitInFlightRpcsForTest(int n, absl::Duration timeout) {
+    return dispatcher_.AwaitInFlightForTest(n, timeout);
+  }
 
  private:
   CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path);

@@ -359,7 +359,7 @@ TEST_F(CsiServerTest, ShutdownLetsAnInFlightRpcFinishWithinGrace) {
     rpc_status.set_value(node_->NodeGetInfo(ctx.get(), {}, &resp));
   });
   // Wait until the RPC has reached the server and is queued for the loop.
-  while (server_->InFlightRpcsForTest() != 1) std::this_thread::yield();
+  ASSERT_TRUE(server_->AwaitInFlightRpcsForTest(1, absl::FromChrono(kTestDeadline)));
   auto shutdown = std::async(std::launch::async, [&] { server_->Shutdown(absl::FromChrono(kTestDeadline)); });
   // Shutdown waits for the in-flight RPC; once the loop is free it completes normally.
   hostage.release.set_value();
@@ -378,7 +378,7 @@ TEST_F(CsiServerTest, ShutdownCancelsRpcsStillInFlightAfterGrace) {
     auto ctx = Ctx();
     rpc_status.set_value(node_->NodeGetInfo(ctx.get(), {}, &resp));
   });
-  while (server_->InFlightRpcsForTest() != 1) std::this_thread::yield();
+  ASSERT_TRUE(server_->AwaitInFlightRpcsForTest(1, absl::FromChrono(kTestDeadline)));
   server_->Shutdown(absl::Milliseconds(20));  // returns although the loop is still held
   auto f = rpc_status.get_future();
   ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
