@@ -13,6 +13,7 @@
 #include "agent/version.h"
 #include "gtest/gtest.h"
 #include "proto/csi.grpc.pb.h"
+#include "tests/testing/csi_client.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/subprocess.h"
 
@@ -24,14 +25,7 @@ constexpr milliseconds kExitDeadline{20000};
 
 std::string Agent() { return RunfilePath("agent/fusekeeper"); }
 
-std::shared_ptr<grpc::Channel> Dial(const std::string& socket) {
-  grpc::ChannelArguments args;
-  // Retry fast while the agent is starting; the default backoff starts at 1 s.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 10);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 10);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
-  return grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
-}
+std::shared_ptr<grpc::Channel> Dial(const std::string& socket) { return DialUnixSocket(socket); }
 
 bool WaitReady(const std::shared_ptr<grpc::Channel>& ch) {
   return ch->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline);

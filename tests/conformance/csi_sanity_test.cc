@@ -8,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "proto/csi.grpc.pb.h"
+#include "tests/testing/csi_client.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/subprocess.h"
 
@@ -23,12 +24,7 @@ class CsiSanityTest : public ::testing::Test {
     const std::string sock = dir_->path() + "/csi.sock";
     agent_ = new Subprocess({RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + sock,
                              "--node_id=sanity-node"});
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 10);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 10);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
-    channel_ = new std::shared_ptr<grpc::Channel>(
-        grpc::CreateCustomChannel("unix:" + sock, grpc::InsecureChannelCredentials(), args));
+    channel_ = new std::shared_ptr<grpc::Channel>(DialUnixSocket(sock));
     ASSERT_TRUE((*channel_)->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline))
         << agent_->Stderr();
   }
@@ -55,12 +51,6 @@ class CsiSanityTest : public ::testing::Test {
       if (c.rpc().type() == type) return true;
     }
     return false;
-  }
-  static VolumeCapability Cap() {
-    VolumeCapability cap;
-    cap.mutable_mount();
-    cap.mutable_access_mode()->set_mode(VolumeCapability::AccessMode::SINGLE_NODE_WRITER);
-    return cap;
   }
 
   static ShortTempDir* dir_;
@@ -174,7 +164,7 @@ TEST_F(CsiSanityTest, NodeUnpublishVolumeFailsOnMissingArguments) {
 TEST_F(CsiSanityTest, NodeStageVolumeFailsOnMissingArguments) {
   NodeStageVolumeResponse resp;
   NodeStageVolumeRequest r;
-  *r.mutable_volume_capability() = Cap();
+  *r.mutable_volume_capability() = MountCapability();
   r.set_staging_target_path(dir_->path() + "/stage");
   auto c1 = Ctx();
   EXPECT_EQ(node()->NodeStageVolume(c1.get(), r, &resp).error_code(), grpc::INVALID_ARGUMENT);
@@ -220,7 +210,7 @@ TEST_F(CsiSanityTest, AdvertisedNodeCapabilitiesAreImplemented) {
     NodeStageVolumeRequest r;
     r.set_volume_id("probe");
     r.set_staging_target_path(dir_->path() + "/stage");
-    *r.mutable_volume_capability() = Cap();
+    *r.mutable_volume_capability() = MountCapability();
     NodeStageVolumeResponse resp;
     auto ctx = Ctx();
     EXPECT_NE(node()->NodeStageVolume(ctx.get(), r, &resp).error_code(), grpc::UNIMPLEMENTED);

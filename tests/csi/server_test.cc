@@ -16,6 +16,7 @@
 #include "glog/logging.h"
 #include "gtest/gtest.h"
 #include "proto/csi.grpc.pb.h"
+#include "tests/testing/csi_client.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/subprocess.h"
 
@@ -69,13 +70,6 @@ class CsiServerTest : public ::testing::Test {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() + kTestDeadline);
     return ctx;
-  }
-
-  static VolumeCapability MountCap() {
-    VolumeCapability cap;
-    cap.mutable_mount();
-    cap.mutable_access_mode()->set_mode(VolumeCapability::AccessMode::SINGLE_NODE_WRITER);
-    return cap;
   }
 
   ShortTempDir dir_;
@@ -167,7 +161,7 @@ TEST_F(CsiServerTest, EveryNodeValidationErrorPath) {
       NodeStageVolumeRequest r;
       r.set_volume_id("v");
       r.set_staging_target_path("/stage");
-      *r.mutable_volume_capability() = MountCap();
+      *r.mutable_volume_capability() = MountCapability();
       edit(r);
       NodeStageVolumeResponse resp;
       auto ctx = t->Ctx();
@@ -179,7 +173,7 @@ TEST_F(CsiServerTest, EveryNodeValidationErrorPath) {
       NodePublishVolumeRequest r;
       r.set_volume_id("v");
       r.set_target_path("/target");
-      *r.mutable_volume_capability() = MountCap();
+      *r.mutable_volume_capability() = MountCapability();
       edit(r);
       NodePublishVolumeResponse resp;
       auto ctx = t->Ctx();
@@ -263,7 +257,7 @@ TEST_F(CsiServerTest, ValidMountRequestsSayMountingIsNotBuiltAndExpandIsUnsuppor
   csi::v1::NodePublishVolumeRequest r;
   r.set_volume_id("v");
   r.set_target_path("/target");
-  *r.mutable_volume_capability() = MountCap();
+  *r.mutable_volume_capability() = MountCapability();
   csi::v1::NodePublishVolumeResponse resp;
   auto ctx = Ctx();
   grpc::Status s = node_->NodePublishVolume(ctx.get(), r, &resp);
@@ -284,7 +278,7 @@ TEST_F(CsiServerTest, SecretsAndMountFlagsNeverReachTheLog) {
   csi::v1::NodeStageVolumeRequest stage;
   stage.set_volume_id("vol-visible");
   stage.set_staging_target_path("/stage");
-  *stage.mutable_volume_capability() = MountCap();
+  *stage.mutable_volume_capability() = MountCapability();
   stage.mutable_volume_capability()->mutable_mount()->add_mount_flags("password=FLAG_SECRET_1");
   (*stage.mutable_secrets())["token"] = "STAGE_SECRET_2";
   csi::v1::NodeStageVolumeResponse sresp;
@@ -294,7 +288,7 @@ TEST_F(CsiServerTest, SecretsAndMountFlagsNeverReachTheLog) {
   csi::v1::NodePublishVolumeRequest pub;
   pub.set_volume_id("vol-visible");
   pub.set_target_path("/target");
-  *pub.mutable_volume_capability() = MountCap();
+  *pub.mutable_volume_capability() = MountCapability();
   (*pub.mutable_secrets())["token"] = "PUBLISH_SECRET_3";
   csi::v1::NodePublishVolumeResponse presp;
   auto ctx2 = Ctx();

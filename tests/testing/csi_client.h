@@ -1,0 +1,30 @@
+// Test helpers for talking CSI to an agent over its Unix socket.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "proto/csi.pb.h"
+
+namespace fusekeeper {
+
+// A channel that retries fast while the agent is starting (gRPC's default backoff starts at 1 s).
+inline std::shared_ptr<grpc::Channel> DialUnixSocket(const std::string& socket_path) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 10);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 10);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
+  return grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
+}
+
+// A file-system volume capability, single-node writer: what kubelet sends for a mount volume.
+inline csi::v1::VolumeCapability MountCapability() {
+  csi::v1::VolumeCapability cap;
+  cap.mutable_mount();
+  cap.mutable_access_mode()->set_mode(csi::v1::VolumeCapability::AccessMode::SINGLE_NODE_WRITER);
+  return cap;
+}
+
+}  // namespace fusekeeper
