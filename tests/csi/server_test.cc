@@ -343,42 +343,41 @@ struct LoopHostage {
   }
 };
 
+// Sends NodeGetInfo from another thread while the loop is held, and returns once the server
+// has it in flight (queued for the loop).
+std::future<grpc::Status> SendRpcBehindHostage(CsiServerTest* t) {
+  auto rpc = std::async(std::launch::async, [t] {
+    csi::v1::NodeGetInfoResponse resp;
+    auto ctx = t->Ctx();
+    return t->node_->NodeGetInfo(ctx.get(), {}, &resp);
+  });
+  EXPECT_TRUE(t->server_->AwaitInFlightRpcsForTest(1, absl::FromChrono(kTestDeadline)));
+  return rpc;
+}
+
 TEST_F(CsiServerTest, ShutdownLetsAnInFlightRpcFinishWithinGrace) {
   LoopHostage hostage;
   hostage.Take(lt_.loop());
-  std::promise<grpc::Status> rpc_status;
-  std::thread client([&] {
-    csi::v1::NodeGetInfoResponse resp;
-    auto ctx = Ctx();
-    rpc_status.set_value(node_->NodeGetInfo(ctx.get(), {}, &resp));
-  });
-  // Wait until the RPC has reached the server and is queued for the loop.
-  ASSERT_TRUE(server_->AwaitInFlightRpcsForTest(1, absl::FromChrono(kTestDeadline)));
-  auto shutdown = std::async(std::launch::async, [&] { server_->Shutdown(absl::FromChrono(kTestDeadline)); });
+  std::future<grpc::Status> rpc = SendRpcBehindHostage(this);
+  auto shutdown = std::async(std::launch::async,
+                             [&] { server_->Shutdown(absl::FromChrono(kTestDeadline)); });
   // Shutdown waits for the in-flight RPC; once the loop is free it completes normally.
   hostage.release.set_value();
   ASSERT_EQ(shutdown.wait_for(kTestDeadline), std::future_status::ready);
-  client.join();
-  auto f = rpc_status.get_future();
-  EXPECT_TRUE(f.get().ok());
+  ASSERT_EQ(rpc.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(rpc.get().ok());
 }
 
 TEST_F(CsiServerTest, ShutdownCancelsRpcsStillInFlightAfterGrace) {
   LoopHostage hostage;
   hostage.Take(lt_.loop());
-  std::promise<grpc::Status> rpc_status;
-  std::thread client([&] {
-    csi::v1::NodeGetInfoResponse resp;
-    auto ctx = Ctx();
-    rpc_status.set_value(node_->NodeGetInfo(ctx.get(), {}, &resp));
-  });
-  ASSERT_TRUE(server_->AwaitInFlightRpcsForTest(1, absl::FromChrono(kTestDeadline)));
+  std::future<grpc::Status> rpc = SendRpcBehindHostage(this);
   server_->Shutdown(absl::Milliseconds(20));  // returns although the loop is still held
-  auto f = rpc_status.get_future();
-  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
-  EXPECT_FALSE(f.get().ok());
-  hostage.release.set_value();
-  client.join();
+  ASSERT_EQ(rpc.wait_for(kTestDeadline), std::future_status::ready);
+  grpc::Status status = rpc.get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  hostage.release.set_value();  // the late loop-side reply must be a harmless no-op
+  lt_.RunOnLoop([] {});
 }
 
 TEST_F(CsiServerTest, ShutdownDoesNotWaitForAClientStuckBeforeTheHandshake) {
