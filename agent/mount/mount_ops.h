@@ -1,0 +1,44 @@
+// Mount operations. Every function here blocks (mount-family syscalls, path lookups) and runs on
+// the BlockingPool, never on the loop thread. Each returns a Status naming the path and errno.
+//
+// Binds use the new mount API on file descriptors (open_tree(OPEN_TREE_CLONE) → mount_setattr →
+// move_mount), so what is mounted is exactly the object that was opened and checked, and the
+// read-only flag is set on the detached copy before it is ever visible.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "agent/base/unique_fd.h"
+#include "agent/sys/syscalls.h"
+
+namespace fusekeeper {
+
+struct BindOptions {
+  bool read_only = false;
+  bool recursive = false;  // AT_RECURSIVE: include submounts of the source
+  bool nosuid = false;
+  bool nodev = false;
+  bool noexec = false;
+};
+
+// Clones the mount tree at `source_fd` (an O_PATH fd) and attaches it onto `target_fd` (an O_PATH
+// fd of an existing directory or file). `what` names the source in errors.
+absl::Status BindMountFdBlocking(int source_fd, int target_fd, const BindOptions& options,
+                                 const std::string& what, const std::string& target_path);
+
+// Unmounts the topmost mount at the path `fd` was opened on (O_PATH, no symlinks). Plain umount
+// first; on EBUSY, up to `busy_retries` more tries, then a lazy MNT_DETACH. Returns OK, or
+// NOT_FOUND (nothing mounted there: EINVAL), or the failure.
+absl::Status UnmountFdBlocking(int fd, const std::string& path, int busy_retries = 2);
+
+// Sets propagation (MS_SHARED, MS_PRIVATE, MS_SLAVE or MS_UNBINDABLE) of the mount at fd.
+absl::Status SetPropagationFdBlocking(int fd, uint64_t propagation, const std::string& path);
+
+// What is mounted at the path `fd` was opened on: statmount where the kernel has it (O(1)),
+// else the whole /proc/self/mountinfo. nullopt if `fd`'s path is not a mount point.
+// `path` is the absolute path (as mountinfo shows it) fd was opened on.
+absl::StatusOr<std::optional<sys::MountFacts>> LookupMountAtBlocking(int fd, const std::string& path);
+
+}  // namespace fusekeeper
