@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -89,7 +90,15 @@ absl::StatusOr<UniqueFd> KubeletDir::OpenPathBlocking(const std::string& rel) co
     }
     return ErrnoStatus(errno, "opening", absl::StrCat(path_, "/", rel));
   }
-  return UniqueFd(fd);
+  UniqueFd opened(fd);
+  // With O_PATH|O_NOFOLLOW, openat2 returns a final-component symlink itself instead of failing.
+  struct stat st;
+  if (fstat(opened.get(), &st) != 0) return ErrnoStatus(errno, "fstat", absl::StrCat(path_, "/", rel));
+  if (S_ISLNK(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, "/", rel, " is a symlink; refusing to follow it"));
+  }
+  return opened;
 }
 
 }  // namespace fusekeeper
