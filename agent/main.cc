@@ -1,8 +1,9 @@
 // fusekeeper: the node agent. Flags are read here and nowhere else; everything below main()
 // takes options structs.
 //
-// Lifecycle: block SIGTERM/SIGINT → set up the io_uring loop (clear failure if io_uring is
-// unavailable) → BlockingPool → CSI server on the socket → run the loop on this thread.
+// Lifecycle: block SIGTERM/SIGINT → open the kubelet dir and state dir → set up the io_uring
+// loop (clear failure if io_uring is unavailable) → BlockingPool → CSI server on the socket →
+// run the loop on this thread, whose first job reconciles saved volume state with the mount table.
 // On SIGTERM/SIGINT: stop accepting RPCs (UNAVAILABLE, Probe not ready), let in-flight RPCs
 // finish within --shutdown_grace_ms, stop the pool, stop the loop, remove the socket, exit 0.
 #include <signal.h>
@@ -21,6 +22,10 @@
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/signals.h"
+#include "agent/mount/table_reader.h"
+#include "agent/paths/kubelet_dir.h"
+#include "agent/volume/state_store.h"
+#include "agent/volume/volume_manager.h"
 #include "agent/version.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
@@ -45,6 +50,12 @@ DEFINE_string(endpoint, EnvOr("CSI_ENDPOINT", "unix:///csi/csi.sock"),
 DEFINE_string(driver_name, "fusekeeper.csi",
               "CSI driver name reported by GetPluginInfo; must match the CSIDriver object");
 DEFINE_string(node_id, "", "node id reported by NodeGetInfo (default: $NODE_NAME, else hostname)");
+DEFINE_string(kubelet_dir, "/var/lib/kubelet",
+              "kubelet root directory; every target and staging path must be below it");
+DEFINE_string(state_dir, "/var/lib/fusekeeper",
+              "where volume state that outlives the agent process is kept (host path, 0700)");
+DEFINE_int32(stats_timeout_ms, 5000,
+             "NodeGetVolumeStats reports a volume abnormal if statfs takes longer than this");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(shutdown_grace_ms, 10000,
@@ -77,8 +88,20 @@ int main(int argc, char** argv) {
     LOG(ERROR) << "no node id: pass --node_id or set NODE_NAME (downward API spec.nodeName)";
     return 2;
   }
-  if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0) {
-    LOG(ERROR) << "--pool_threads and --pool_max_queued must be >= 1, --shutdown_grace_ms >= 0";
+  if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
+      FLAGS_stats_timeout_ms < 1) {
+    LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
+                  "--shutdown_grace_ms >= 0";
+    return 2;
+  }
+  auto kubelet = fusekeeper::KubeletDir::Open(FLAGS_kubelet_dir);
+  if (!kubelet.ok()) {
+    LOG(ERROR) << kubelet.status().message();
+    return 2;
+  }
+  auto store = fusekeeper::StateStore::Open(FLAGS_state_dir);
+  if (!store.ok()) {
+    LOG(ERROR) << "--state_dir: " << store.status().message();
     return 2;
   }
 
@@ -91,6 +114,14 @@ int main(int argc, char** argv) {
   fusekeeper::BlockingPool pool(*loop, {.threads = FLAGS_pool_threads,
                                         .max_queued = static_cast<size_t>(FLAGS_pool_max_queued)});
 
+  auto table_reader = fusekeeper::MountTableReader::Create(*loop);
+  if (!table_reader.ok()) {
+    LOG(ERROR) << table_reader.status().message();
+    return 3;
+  }
+  fusekeeper::VolumeManager volumes(*loop, pool, *kubelet, *store, **table_reader,
+                                    {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms)});
+
   utsname uts{};
   uname(&uts);
   fusekeeper::CsiServerOptions server_options;
@@ -100,8 +131,9 @@ int main(int argc, char** argv) {
   server_options.identity.manifest = {
       {"kernel", uts.release},
       {"io_uring", loop->uses_defer_taskrun() ? "single_issuer+defer_taskrun" : "plain"}};
+  server_options.identity.ready = [&volumes] { return volumes.ready(); };
   server_options.node.node_id = node_id;
-  auto server_or = fusekeeper::CsiServer::Start(*loop, std::move(server_options));
+  auto server_or = fusekeeper::CsiServer::Start(*loop, std::move(server_options), &volumes);
   if (!server_or.ok()) {
     LOG(ERROR) << server_or.status().message();
     return 4;
@@ -129,8 +161,17 @@ int main(int argc, char** argv) {
     return 5;
   }
 
+  loop->Post([&volumes] {
+    volumes.Start([](absl::Status s) {
+      if (!s.ok()) {
+        LOG(ERROR) << "reconciling volume state failed: " << s
+                   << "; Probe stays not-ready and volume RPCs answer UNAVAILABLE";
+      }
+    });
+  });
   LOG(INFO) << "fusekeeper " << fusekeeper::kVersion << " node " << node_id << " driver "
-            << FLAGS_driver_name << " ready";
+            << FLAGS_driver_name << " kubelet_dir " << kubelet->path() << " state_dir "
+            << FLAGS_state_dir << " serving";
   loop->Run();
   if (shutdown_thread.joinable()) shutdown_thread.join();
   server.reset();

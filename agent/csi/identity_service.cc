@@ -33,7 +33,8 @@ grpc::ServerUnaryReactor* IdentityService::Probe(grpc::CallbackServerContext* ct
                                                  csi::v1::ProbeResponse* resp) {
   return dispatcher_.Dispatch(ctx, "Probe", /*quiet=*/true, *req, resp, [this](Responder r) {
     csi::v1::ProbeResponse probe;
-    probe.mutable_ready()->set_value(loop_.running() && !dispatcher_.draining());
+    probe.mutable_ready()->set_value(loop_.running() && !dispatcher_.draining() &&
+                                     (!options_.ready || options_.ready()));
     r.Reply(probe);
   });
 }

@@ -1,6 +1,8 @@
 // CSI Identity service: who we are, what we offer, and whether we are ready.
 #pragma once
 
+#include <functional>
+#include <map>
 #include <string>
 
 #include "agent/csi/rpc.h"
@@ -13,6 +15,8 @@ struct IdentityOptions {
   std::string driver_name;
   std::string vendor_version;
   std::map<std::string, std::string> manifest;
+  // Loop thread: further readiness (e.g. volume state reconciled). Null: always ready.
+  std::function<bool()> ready;
 };
 
 // Handlers run on gRPC threads and finish from the loop thread (see RpcDispatcher).

@@ -8,16 +8,16 @@
 namespace fusekeeper {
 namespace {
 
-absl::Status NotBuiltYet(const char* method) {
+absl::Status NoVolumeManager(const char* method) {
   return absl::UnimplementedError(absl::StrCat(
-      method, " is not available in this build of fusekeeper: volume mounting is not "
-              "implemented yet (see NodeGetCapabilities for what is)"));
+      method, " is not available: this fusekeeper server runs without volume support"));
 }
 
 }  // namespace
 
-NodeService::NodeService(Loop& loop, RpcDispatcher& dispatcher, NodeOptions options)
-    : loop_(loop), dispatcher_(dispatcher), options_(std::move(options)) {}
+NodeService::NodeService(Loop&, RpcDispatcher& dispatcher, NodeOptions options,
+                         VolumeManager* volumes)
+    : dispatcher_(dispatcher), options_(std::move(options)), volumes_(volumes) {}
 
 template <typename Req>
 grpc::ServerUnaryReactor* NodeService::Handle(grpc::CallbackServerContext* ctx, const char* method,
@@ -35,35 +35,54 @@ grpc::ServerUnaryReactor* NodeService::NodeStageVolume(grpc::CallbackServerConte
                                                        const csi::v1::NodeStageVolumeRequest* req,
                                                        csi::v1::NodeStageVolumeResponse* resp) {
   return Handle(ctx, "NodeStageVolume", *req, resp, ValidateNodeStage(*req),
-                [](Responder r) { r.Finish(NotBuiltYet("NodeStageVolume")); });
+                [this, req = *req](Responder r) mutable {
+                  if (volumes_ == nullptr) return r.Finish(NoVolumeManager("NodeStageVolume"));
+                  volumes_->Stage(req, [r = std::move(r)](absl::Status s) mutable { r.Finish(s); });
+                });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodeUnstageVolume(
     grpc::CallbackServerContext* ctx, const csi::v1::NodeUnstageVolumeRequest* req,
     csi::v1::NodeUnstageVolumeResponse* resp) {
   return Handle(ctx, "NodeUnstageVolume", *req, resp, ValidateNodeUnstage(*req),
-                [](Responder r) { r.Finish(NotBuiltYet("NodeUnstageVolume")); });
+                [this, req = *req](Responder r) mutable {
+                  if (volumes_ == nullptr) return r.Finish(NoVolumeManager("NodeUnstageVolume"));
+                  volumes_->Unstage(req, [r = std::move(r)](absl::Status s) mutable { r.Finish(s); });
+                });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodePublishVolume(
     grpc::CallbackServerContext* ctx, const csi::v1::NodePublishVolumeRequest* req,
     csi::v1::NodePublishVolumeResponse* resp) {
   return Handle(ctx, "NodePublishVolume", *req, resp, ValidateNodePublish(*req),
-                [](Responder r) { r.Finish(NotBuiltYet("NodePublishVolume")); });
+                [this, req = *req](Responder r) mutable {
+                  if (volumes_ == nullptr) return r.Finish(NoVolumeManager("NodePublishVolume"));
+                  volumes_->Publish(req, [r = std::move(r)](absl::Status s) mutable { r.Finish(s); });
+                });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodeUnpublishVolume(
     grpc::CallbackServerContext* ctx, const csi::v1::NodeUnpublishVolumeRequest* req,
     csi::v1::NodeUnpublishVolumeResponse* resp) {
   return Handle(ctx, "NodeUnpublishVolume", *req, resp, ValidateNodeUnpublish(*req),
-                [](Responder r) { r.Finish(NotBuiltYet("NodeUnpublishVolume")); });
+                [this, req = *req](Responder r) mutable {
+                  if (volumes_ == nullptr) return r.Finish(NoVolumeManager("NodeUnpublishVolume"));
+                  volumes_->Unpublish(req, [r = std::move(r)](absl::Status s) mutable { r.Finish(s); });
+                });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodeGetVolumeStats(
     grpc::CallbackServerContext* ctx, const csi::v1::NodeGetVolumeStatsRequest* req,
     csi::v1::NodeGetVolumeStatsResponse* resp) {
   return Handle(ctx, "NodeGetVolumeStats", *req, resp, ValidateNodeGetVolumeStats(*req),
-                [](Responder r) { r.Finish(NotBuiltYet("NodeGetVolumeStats")); });
+                [this, req = *req](Responder r) mutable {
+                  if (volumes_ == nullptr) return r.Finish(NoVolumeManager("NodeGetVolumeStats"));
+                  volumes_->Stats(req, [r = std::move(r)](
+                      absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> resp) mutable {
+                    if (!resp.ok()) return r.Finish(resp.status());
+                    r.Reply(*resp);
+                  });
+                });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodeExpandVolume(
@@ -79,10 +98,19 @@ grpc::ServerUnaryReactor* NodeService::NodeExpandVolume(
 grpc::ServerUnaryReactor* NodeService::NodeGetCapabilities(
     grpc::CallbackServerContext* ctx, const csi::v1::NodeGetCapabilitiesRequest* req,
     csi::v1::NodeGetCapabilitiesResponse* resp) {
-  // Only implemented capabilities are advertised; mount-related ones (STAGE_UNSTAGE_VOLUME,
-  // GET_VOLUME_STATS, VOLUME_CONDITION, VOLUME_MOUNT_GROUP) arrive with the mount engine.
+  // Only implemented capabilities are advertised (VOLUME_MOUNT_GROUP arrives with FUSE volumes).
   return dispatcher_.Dispatch(ctx, "NodeGetCapabilities", /*quiet=*/true, *req, resp,
-                              [](Responder r) { r.Finish(absl::OkStatus()); });
+                              [this](Responder r) {
+                                csi::v1::NodeGetCapabilitiesResponse caps;
+                                if (volumes_ != nullptr) {
+                                  using T = csi::v1::NodeServiceCapability::RPC;
+                                  for (auto type : {T::STAGE_UNSTAGE_VOLUME, T::GET_VOLUME_STATS,
+                                                    T::VOLUME_CONDITION, T::SINGLE_NODE_MULTI_WRITER}) {
+                                    caps.add_capabilities()->mutable_rpc()->set_type(type);
+                                  }
+                                }
+                                r.Reply(caps);
+                              });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodeGetInfo(grpc::CallbackServerContext* ctx,

@@ -1,15 +1,16 @@
 // CSI Node service. Every request is validated per the spec first (missing or malformed fields →
 // INVALID_ARGUMENT naming the field); valid requests then run on the loop thread.
 //
-// Mount work (stage/publish/unpublish/unstage, volume stats) is not built yet: valid requests
-// for it get UNIMPLEMENTED with a clear message, and NodeGetCapabilities advertises only what is
-// implemented, so kubelet never relies on a missing feature.
+// Mount work is done by the VolumeManager on the loop thread. A NodeService built without one
+// (tests of the RPC layer alone) answers mount RPCs UNIMPLEMENTED and advertises no mount
+// capabilities, so kubelet never relies on a missing feature.
 #pragma once
 
 #include <string>
 
 #include "agent/csi/rpc.h"
 #include "agent/loop/loop.h"
+#include "agent/volume/volume_manager.h"
 #include "proto/csi.grpc.pb.h"
 
 namespace fusekeeper {
@@ -21,7 +22,8 @@ struct NodeOptions {
 
 class NodeService final : public csi::v1::Node::CallbackService {
  public:
-  NodeService(Loop& loop, RpcDispatcher& dispatcher, NodeOptions options);
+  // volumes may be null (see above); it must outlive the service.
+  NodeService(Loop& loop, RpcDispatcher& dispatcher, NodeOptions options, VolumeManager* volumes);
 
   grpc::ServerUnaryReactor* NodeStageVolume(grpc::CallbackServerContext* ctx,
                                             const csi::v1::NodeStageVolumeRequest* req,
@@ -56,9 +58,9 @@ class NodeService final : public csi::v1::Node::CallbackService {
                                    absl::Status validation,
                                    absl::AnyInvocable<void(Responder)> work);
 
-  Loop& loop_;
   RpcDispatcher& dispatcher_;
   const NodeOptions options_;
+  VolumeManager* const volumes_;
 };
 
 }  // namespace fusekeeper

@@ -16,19 +16,21 @@ constexpr int kMaxRequestBytes = 1 << 20;
 
 }  // namespace
 
-CsiServer::CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path)
+CsiServer::CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path,
+                     VolumeManager* volumes)
     : loop_(loop),
       socket_path_(std::move(socket_path)),
       dispatcher_(loop),
       identity_(loop, dispatcher_, std::move(options.identity)),
-      node_(loop, dispatcher_, std::move(options.node)) {}
+      node_(loop, dispatcher_, std::move(options.node), volumes) {}
 
-absl::StatusOr<std::unique_ptr<CsiServer>> CsiServer::Start(Loop& loop, CsiServerOptions options) {
+absl::StatusOr<std::unique_ptr<CsiServer>> CsiServer::Start(Loop& loop, CsiServerOptions options,
+                                                             VolumeManager* volumes) {
   absl::StatusOr<std::string> path = ParseUnixEndpoint(options.endpoint);
   if (!path.ok()) return path.status();
   if (absl::Status s = PrepareSocketPath(*path); !s.ok()) return s;
 
-  std::unique_ptr<CsiServer> server(new CsiServer(loop, std::move(options), *path));
+  std::unique_ptr<CsiServer> server(new CsiServer(loop, std::move(options), *path, volumes));
   grpc::ServerBuilder builder;
   int bound_port = 0;
   builder.AddListeningPort("unix:" + *path, grpc::InsecureServerCredentials(), &bound_port);

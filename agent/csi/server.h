@@ -27,7 +27,9 @@ class CsiServer {
   // Main thread, before or while the loop runs (blocks briefly: stale-socket probe, bind).
   // Fails with a clear message for a bad endpoint, a live agent already on the socket, or a
   // non-socket file at the path.
-  static absl::StatusOr<std::unique_ptr<CsiServer>> Start(Loop& loop, CsiServerOptions options);
+  // `volumes` may be null (RPC-layer tests); otherwise it must outlive the server.
+  static absl::StatusOr<std::unique_ptr<CsiServer>> Start(Loop& loop, CsiServerOptions options,
+                                                          VolumeManager* volumes = nullptr);
   ~CsiServer();
 
   const std::string& socket_path() const { return socket_path_; }
@@ -45,7 +47,7 @@ class CsiServer {
   }
 
  private:
-  CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path);
+  CsiServer(Loop& loop, CsiServerOptions options, std::string socket_path, VolumeManager* volumes);
 
   Loop& loop_;
   std::string socket_path_;

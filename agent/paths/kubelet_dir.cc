@@ -44,7 +44,16 @@ absl::StatusOr<KubeletDir> KubeletDir::Open(const std::string& path) {
   }
   int fd = open(trimmed.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "opening --kubelet_dir", trimmed);
-  return KubeletDir(trimmed, UniqueFd(fd));
+  char* real = realpath(trimmed.c_str(), nullptr);
+  if (real == nullptr) return ErrnoStatus(errno, "resolving --kubelet_dir", trimmed);
+  std::string real_path(real);
+  free(real);
+  return KubeletDir(trimmed, real_path, UniqueFd(fd));
+}
+
+std::string KubeletDir::MountTablePath(const std::string& path) const {
+  if (path_ == real_ || path.compare(0, path_.size(), path_) != 0) return path;
+  return real_ + path.substr(path_.size());
 }
 
 absl::StatusOr<std::string> KubeletDir::Relative(absl::string_view path,

@@ -20,6 +20,10 @@ class KubeletDir {
   static absl::StatusOr<KubeletDir> Open(const std::string& path);
 
   const std::string& path() const { return path_; }
+  // The kubelet dir with symlinks resolved: what the mount table shows.
+  const std::string& real_path() const { return real_; }
+  // An absolute path below path() as the mount table shows it (prefix replaced by real_path()).
+  std::string MountTablePath(const std::string& path) const;
   int fd() const { return fd_.get(); }
 
   // Pure. Checks shape and containment; returns the path relative to the kubelet dir.
@@ -32,8 +36,10 @@ class KubeletDir {
   absl::StatusOr<UniqueFd> OpenPathBlocking(const std::string& rel) const;
 
  private:
-  KubeletDir(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+  KubeletDir(std::string path, std::string real, UniqueFd fd)
+      : path_(std::move(path)), real_(std::move(real)), fd_(std::move(fd)) {}
   std::string path_;  // as configured, without trailing slash
+  std::string real_;
   UniqueFd fd_;
 };
 

@@ -25,6 +25,15 @@ constexpr milliseconds kExitDeadline{20000};
 
 std::string Agent() { return RunfilePath("agent/fusekeeper"); }
 
+// The agent with a kubelet dir and state dir inside `dir`, plus `flags`.
+std::vector<std::string> AgentCmd(const ShortTempDir& dir, std::vector<std::string> flags) {
+  mkdir((dir.path() + "/kubelet").c_str(), 0755);
+  std::vector<std::string> cmd = {Agent(), "--kubelet_dir=" + dir.path() + "/kubelet",
+                                  "--state_dir=" + dir.path() + "/state"};
+  cmd.insert(cmd.end(), flags.begin(), flags.end());
+  return cmd;
+}
+
 std::shared_ptr<grpc::Channel> Dial(const std::string& socket) { return DialUnixSocket(socket); }
 
 bool WaitReady(const std::shared_ptr<grpc::Channel>& ch) {
@@ -41,7 +50,7 @@ int ExitCode(std::optional<int> status) {
 TEST(AgentProcessTest, ServesThenShutsDownCleanlyOnSigterm) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/csi.sock";
-  Subprocess agent({Agent(), "--endpoint=unix://" + sock}, {"NODE_NAME=node-from-env"});
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + sock}), {"NODE_NAME=node-from-env"});
   auto ch = Dial(sock);
   ASSERT_TRUE(WaitReady(ch)) << agent.Stderr();
   auto identity = csi::v1::Identity::NewStub(ch);
@@ -76,7 +85,7 @@ TEST(AgentProcessTest, ServesThenShutsDownCleanlyOnSigterm) {
 TEST(AgentProcessTest, NodeIdFlagWinsOverEnvironment) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/csi.sock";
-  Subprocess agent({Agent(), "--endpoint=unix://" + sock, "--node_id=flag-node"},
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=flag-node"}),
                    {"NODE_NAME=env-node"});
   auto ch = Dial(sock);
   ASSERT_TRUE(WaitReady(ch)) << agent.Stderr();
@@ -91,7 +100,7 @@ TEST(AgentProcessTest, NodeIdFlagWinsOverEnvironment) {
 TEST(AgentProcessTest, EndpointFromCsiEndpointEnvironment) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/env.sock";
-  Subprocess agent({Agent(), "--node_id=n"}, {"CSI_ENDPOINT=unix://" + sock});
+  Subprocess agent(AgentCmd(dir, {"--node_id=n"}), {"CSI_ENDPOINT=unix://" + sock});
   ASSERT_TRUE(WaitReady(Dial(sock))) << agent.Stderr();
   agent.Signal(SIGTERM);
   EXPECT_EQ(ExitCode(agent.Wait(kExitDeadline)), 0);
@@ -101,13 +110,13 @@ TEST(AgentProcessTest, ReplacesAStaleSocketFromACrashedAgent) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/csi.sock";
   {
-    Subprocess crashed({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+    Subprocess crashed(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
     ASSERT_TRUE(WaitReady(Dial(sock))) << crashed.Stderr();
     crashed.Signal(SIGKILL);
     ASSERT_TRUE(crashed.Wait(kExitDeadline).has_value());
   }
   ASSERT_EQ(access(sock.c_str(), F_OK), 0) << "kill -9 should leave the socket file behind";
-  Subprocess agent({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
   auto ch = Dial(sock);
   ASSERT_TRUE(WaitReady(ch)) << agent.Stderr();
   csi::v1::ProbeResponse probe;
@@ -118,9 +127,9 @@ TEST(AgentProcessTest, ReplacesAStaleSocketFromACrashedAgent) {
 TEST(AgentProcessTest, RefusesToStartWhileAnotherAgentServes) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/csi.sock";
-  Subprocess first({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+  Subprocess first(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
   ASSERT_TRUE(WaitReady(Dial(sock))) << first.Stderr();
-  Subprocess second({Agent(), "--endpoint=unix://" + sock, "--node_id=n"});
+  Subprocess second(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
   EXPECT_NE(ExitCode(second.Wait(kExitDeadline)), 0);
   EXPECT_NE(second.Stderr().find("another process is serving"), std::string::npos)
       << second.Stderr();
@@ -135,7 +144,7 @@ TEST(AgentProcessTest, RefusesANonSocketFileAtTheEndpoint) {
   ShortTempDir dir;
   const std::string path = dir.path() + "/csi.sock";
   { std::ofstream(path) << "precious data"; }
-  Subprocess agent({Agent(), "--endpoint=unix://" + path, "--node_id=n"});
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + path, "--node_id=n"}));
   EXPECT_NE(ExitCode(agent.Wait(kExitDeadline)), 0);
   EXPECT_NE(agent.Stderr().find("not a socket"), std::string::npos) << agent.Stderr();
   std::ifstream in(path);
@@ -144,16 +153,17 @@ TEST(AgentProcessTest, RefusesANonSocketFileAtTheEndpoint) {
 }
 
 TEST(AgentProcessTest, RefusesAnEndpointTooLongForSunPath) {
+  ShortTempDir dir;
   std::string long_path = "/tmp/" + std::string(120, 'x') + "/csi.sock";
-  Subprocess agent({Agent(), "--endpoint=unix://" + long_path, "--node_id=n"});
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + long_path, "--node_id=n"}));
   EXPECT_NE(ExitCode(agent.Wait(kExitDeadline)), 0);
   EXPECT_NE(agent.Stderr().find("at most 107 bytes"), std::string::npos) << agent.Stderr();
 }
 
 TEST(AgentProcessTest, RefusesAnInvalidDriverName) {
   ShortTempDir dir;
-  Subprocess agent({Agent(), "--endpoint=unix://" + dir.path() + "/csi.sock", "--node_id=n",
-                    "--driver_name=-bad name-"});
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + dir.path() + "/csi.sock", "--node_id=n",
+                    "--driver_name=-bad name-"}));
   EXPECT_NE(ExitCode(agent.Wait(kExitDeadline)), 0);
   EXPECT_NE(agent.Stderr().find("not a valid CSI driver name"), std::string::npos)
       << agent.Stderr();
@@ -175,7 +185,7 @@ void DenyIoUringBySeccomp() {
 TEST(AgentProcessTest, SaysClearlyWhenIoUringIsBlocked) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/csi.sock";
-  Subprocess agent({Agent(), "--endpoint=unix://" + sock, "--node_id=n"}, {},
+  Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}), {},
                    DenyIoUringBySeccomp);
   int code = ExitCode(agent.Wait(kExitDeadline));
   ASSERT_NE(code, 126) << "could not install the seccomp filter";

@@ -4,6 +4,8 @@
 // names the csi-sanity case it mirrors. Runs against the real agent binary over its socket.
 #include <grpcpp/grpcpp.h>
 
+#include <sys/stat.h>
+
 #include <regex>
 
 #include "gtest/gtest.h"
@@ -22,8 +24,10 @@ class CsiSanityTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new ShortTempDir();
     const std::string sock = dir_->path() + "/csi.sock";
+    mkdir((dir_->path() + "/kubelet").c_str(), 0755);
     agent_ = new Subprocess({RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + sock,
-                             "--node_id=sanity-node"});
+                             "--node_id=sanity-node", "--kubelet_dir=" + dir_->path() + "/kubelet",
+                             "--state_dir=" + dir_->path() + "/state"});
     channel_ = new std::shared_ptr<grpc::Channel>(DialUnixSocket(sock));
     ASSERT_TRUE((*channel_)->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline))
         << agent_->Stderr();

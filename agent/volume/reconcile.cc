@@ -1,0 +1,88 @@
+#include "agent/volume/reconcile.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace fusekeeper {
+namespace {
+
+bool IsOurs(const MountEntry* e, const state::Volume& v, const state::MountIdentity& id,
+            bool pending) {
+  if (e == nullptr) return false;
+  if (pending) return e->major == v.source_dev_major() && e->minor == v.source_dev_minor();
+  return e->major == id.dev_major() && e->minor == id.dev_minor() && e->root == id.root();
+}
+
+state::MountIdentity IdentityOf(const MountEntry& e) {
+  state::MountIdentity id;
+  id.set_dev_major(e.major);
+  id.set_dev_minor(e.minor);
+  id.set_root(std::string(e.root));
+  return id;
+}
+
+}  // namespace
+
+std::string StagingMountPath(const state::Volume& v) {
+  return v.is_directory() ? v.staging_path() : absl::StrCat(v.staging_path(), "/hostpath");
+}
+
+ReconcileOutcome Reconcile(std::vector<state::Volume> volumes, const MountTable& table,
+                           const std::function<std::string(const std::string&)>& to_table) {
+  ReconcileOutcome out;
+  for (state::Volume& v : volumes) {
+    bool changed = false;
+    const std::string& id = v.volume_id();
+    if (!v.staging_path().empty()) {
+      const std::string path = StagingMountPath(v);
+      const MountEntry* top = table.FindTop(to_table(path));
+      if (v.staging_pending()) {
+        if (IsOurs(top, v, v.staging_mount(), true)) {
+          *v.mutable_staging_mount() = IdentityOf(*top);
+          v.set_staging_pending(false);
+          out.notes.push_back(absl::StrCat("volume ", id, ": adopted staging mount at ", path));
+        } else {
+          v.clear_staging_path();
+          v.clear_staging_fingerprint();
+          v.set_staging_pending(false);
+          v.clear_staging_mount();
+          out.notes.push_back(absl::StrCat("volume ", id, ": staging at ", path,
+                                           " never completed; forgotten"));
+        }
+        changed = true;
+      } else if (!IsOurs(top, v, v.staging_mount(), false)) {
+        out.notes.push_back(absl::StrCat("volume ", id, ": staging mount at ", path,
+                                         " is gone; publishing will report it"));
+      }
+    }
+    auto* targets = v.mutable_targets();
+    for (int i = targets->size() - 1; i >= 0; --i) {
+      state::Target& t = targets->at(i);
+      const MountEntry* top = table.FindTop(to_table(t.path()));
+      if (t.pending()) {
+        if (IsOurs(top, v, t.mount(), true)) {
+          *t.mutable_mount() = IdentityOf(*top);
+          t.set_pending(false);
+          out.notes.push_back(absl::StrCat("volume ", id, ": adopted mount at ", t.path()));
+        } else {
+          out.notes.push_back(absl::StrCat("volume ", id, ": publish at ", t.path(),
+                                           " never completed; forgotten"));
+          targets->DeleteSubrange(i, 1);
+        }
+        changed = true;
+      } else if (!IsOurs(top, v, t.mount(), false)) {
+        out.notes.push_back(absl::StrCat("volume ", id, ": mount at ", t.path(), " is gone; forgotten"));
+        targets->DeleteSubrange(i, 1);
+        changed = true;
+      }
+    }
+    if (v.staging_path().empty() && v.targets_size() == 0) {
+      out.remove.push_back(id);
+      continue;
+    }
+    if (changed) out.save.push_back(v);
+    out.volumes.push_back(std::move(v));
+  }
+  return out;
+}
+
+}  // namespace fusekeeper

@@ -1,0 +1,129 @@
+#include "agent/volume/state_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <openssl/sha.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "agent/base/status.h"
+#include "agent/base/unique_fd.h"
+
+namespace fusekeeper {
+namespace {
+
+constexpr char kSuffix[] = ".state";
+constexpr char kTmpMarker[] = ".tmp.";
+
+absl::Status MkdirIfMissing(const std::string& path, mode_t mode) {
+  if (mkdir(path.c_str(), mode) != 0 && errno != EEXIST) return ErrnoStatus(errno, "mkdir", path);
+  return absl::OkStatus();
+}
+
+absl::Status WriteAll(int fd, const std::string& data, const std::string& path) {
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = write(fd, data.data() + off, data.size() - off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "write", path);
+    }
+    off += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string Sha256Hex(const std::string& data) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), digest);
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : digest) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+
+absl::StatusOr<StateStore> StateStore::Open(const std::string& dir) {
+  if (dir.empty() || dir[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat("--state_dir '", dir, "' must be absolute"));
+  }
+  if (auto s = MkdirIfMissing(dir, 0700); !s.ok()) return s;
+  const std::string volumes = dir + "/volumes";
+  if (auto s = MkdirIfMissing(volumes, 0700); !s.ok()) return s;
+  DIR* d = opendir(volumes.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, "opendir", volumes);
+  while (dirent* e = readdir(d)) {
+    if (absl::StrContains(e->d_name, kTmpMarker)) unlinkat(dirfd(d), e->d_name, 0);
+  }
+  closedir(d);
+  return StateStore(volumes);
+}
+
+std::string StateStore::FileFor(const std::string& volume_id) const {
+  return absl::StrCat(dir_, "/", Sha256Hex(volume_id), kSuffix);
+}
+
+absl::Status StateStore::SaveBlocking(const state::Volume& volume) const {
+  static std::atomic<uint64_t> counter{0};
+  const std::string final_path = FileFor(volume.volume_id());
+  const std::string tmp = absl::StrCat(final_path, kTmpMarker, getpid(), ".", counter++);
+  std::string data;
+  if (!volume.SerializeToString(&data)) return absl::InternalError("serialising volume state");
+  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd) return ErrnoStatus(errno, "creating", tmp);
+  if (auto s = WriteAll(fd.get(), data, tmp); !s.ok()) {
+    unlink(tmp.c_str());
+    return s;
+  }
+  fd.Reset();
+  if (rename(tmp.c_str(), final_path.c_str()) != 0) {
+    int err = errno;
+    unlink(tmp.c_str());
+    return ErrnoStatus(err, "rename onto", final_path);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StateStore::RemoveBlocking(const std::string& volume_id) const {
+  const std::string path = FileFor(volume_id);
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, "unlink", path);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<state::Volume>> StateStore::LoadAllBlocking(
+    std::vector<std::string>* problems) const {
+  std::vector<state::Volume> out;
+  DIR* d = opendir(dir_.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, "opendir", dir_);
+  std::vector<std::string> names;
+  while (dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    if (absl::EndsWith(name, kSuffix) && !absl::StrContains(name, kTmpMarker)) names.push_back(name);
+  }
+  closedir(d);
+  for (const std::string& name : names) {
+    const std::string path = dir_ + "/" + name;
+    UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    state::Volume v;
+    bool ok = fd && v.ParseFromFileDescriptor(fd.get()) && !v.volume_id().empty() &&
+              FileFor(v.volume_id()) == path;
+    if (!ok) {
+      problems->push_back(absl::StrCat("unreadable volume state ", path, "; moved aside to .corrupt"));
+      rename(path.c_str(), (path + ".corrupt").c_str());
+      continue;
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+}  // namespace fusekeeper

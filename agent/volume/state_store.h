@@ -1,0 +1,38 @@
+// StateStore: one file per volume under <state_dir>/volumes/, named by the SHA-256 of the volume
+// id (ids may hold any byte and be 128 bytes long). Writes are atomic (write a temp file in the
+// same directory, then rename), so a reader sees the old or the new state, never a torn one. No
+// fsync: mounts do not outlive a reboot, and a killed process loses nothing already written.
+// All methods block (file I/O): call them on the BlockingPool.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/state.pb.h"
+
+namespace fusekeeper {
+
+class StateStore {
+ public:
+  // Blocking. Creates <dir>/volumes (0700) and removes temp files a killed writer left behind.
+  static absl::StatusOr<StateStore> Open(const std::string& dir);
+
+  absl::Status SaveBlocking(const state::Volume& volume) const;
+  // Idempotent: removing a volume that has no file is OK.
+  absl::Status RemoveBlocking(const std::string& volume_id) const;
+  // Every readable volume. Unreadable files are renamed *.corrupt and reported in `problems`.
+  absl::StatusOr<std::vector<state::Volume>> LoadAllBlocking(std::vector<std::string>* problems) const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  explicit StateStore(std::string dir) : dir_(std::move(dir)) {}
+  std::string FileFor(const std::string& volume_id) const;
+  std::string dir_;  // <state_dir>/volumes
+};
+
+// Lower-case hex SHA-256.
+std::string Sha256Hex(const std::string& data);
+
+}  // namespace fusekeeper

@@ -1,0 +1,76 @@
+// VolumeManager: the Node RPCs' logic, on the loop thread. It owns the in-memory volume state,
+// serialises operations per volume (a second RPC for a volume with one in flight gets ABORTED;
+// different volumes never wait on each other), decides idempotent repeats and conflicts from that
+// state, and runs the blocking halves (agent/volume/volume_ops) on the BlockingPool.
+//
+// Volume kinds: `hostPath` (volume_context: kind=hostPath, path, type).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_set>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "agent/loop/blocking_pool.h"
+#include "agent/loop/loop.h"
+#include "agent/mount/table_reader.h"
+#include "agent/paths/kubelet_dir.h"
+#include "agent/volume/state_store.h"
+#include "agent/volume/volume_ops.h"
+#include "proto/csi.pb.h"
+#include "proto/state.pb.h"
+
+namespace fusekeeper {
+
+struct VolumeManagerOptions {
+  // NodeGetVolumeStats answers `abnormal` if statfs has not returned by then.
+  absl::Duration stats_timeout = absl::Seconds(5);
+};
+
+class VolumeManager {
+ public:
+  using Done = absl::AnyInvocable<void(absl::Status)>;
+  using StatsDone = absl::AnyInvocable<void(absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>)>;
+
+  // All references must outlive the manager.
+  VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& kubelet, const StateStore& store,
+                MountTableReader& table_reader, VolumeManagerOptions options = {});
+
+  // Loop thread. Loads saved state, reconciles it with the mount table (read through the ring),
+  // and writes back what changed. RPCs before `done` get UNAVAILABLE.
+  void Start(Done done);
+  bool ready() const { return ready_; }
+
+  // Loop thread; `done` runs on the loop thread. Requests were validated (csi/validate).
+  void Stage(const csi::v1::NodeStageVolumeRequest& req, Done done);
+  void Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done done);
+  void Publish(const csi::v1::NodePublishVolumeRequest& req, Done done);
+  void Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Done done);
+  void Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDone done);
+
+  size_t volume_count() const { return volumes_.size(); }
+
+ private:
+  // Marks volume_id busy for the duration; ABORTED if it already is, UNAVAILABLE before Start.
+  absl::Status Claim(const std::string& volume_id);
+  // Runs `work` on the pool; on the loop, releases the claim, stores the new state and calls done.
+  void RunVolumeJob(const std::string& volume_id, std::string reason,
+                    absl::AnyInvocable<absl::StatusOr<std::optional<state::Volume>>()> work, Done done);
+  const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
+
+  Loop& loop_;
+  BlockingPool& pool_;
+  const KubeletDir& kubelet_;
+  const StateStore& store_;
+  MountTableReader& table_reader_;
+  const VolumeManagerOptions options_;
+  VolumeOpsContext ctx_;
+  bool ready_ = false;
+  std::map<std::string, state::Volume> volumes_;
+  std::unordered_set<std::string> busy_;
+};
+
+}  // namespace fusekeeper

@@ -1,0 +1,362 @@
+#include "agent/volume/volume_ops.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "agent/base/status.h"
+#include "agent/paths/host_path.h"
+#include "glog/logging.h"
+
+namespace fusekeeper {
+namespace {
+
+// A non-directory source (file, socket, device) cannot be bound onto the staging directory
+// kubelet creates, so it is bound onto this file inside it.
+constexpr char kStagedFileName[] = "hostpath";
+// How many stacked copies of our mount unpublish removes at most.
+constexpr int kMaxStackedUnmounts = 8;
+
+// Absolute path as the mount table shows it (kubelet dir symlinks resolved).
+std::string Abs(const VolumeOpsContext& ctx, const std::string& rel) {
+  return absl::StrCat(ctx.kubelet->real_path(), "/", rel);
+}
+
+absl::StatusOr<std::string> Rel(const VolumeOpsContext& ctx, const std::string& path) {
+  return ctx.kubelet->Relative(path, "path");
+}
+
+absl::StatusOr<state::MountIdentity> IdentifyBlocking(int fd, const std::string& path) {
+  auto facts = LookupMountAtBlocking(fd, path);
+  if (!facts.ok()) return facts.status();
+  if (!facts->has_value()) {
+    return absl::InternalError(absl::StrCat("nothing is mounted at ", path, " right after mounting it"));
+  }
+  state::MountIdentity id;
+  id.set_dev_major((*facts)->dev_major);
+  id.set_dev_minor((*facts)->dev_minor);
+  id.set_root((*facts)->root);
+  id.set_unique_id((*facts)->mnt_id);
+  return id;
+}
+
+bool SameDevice(const std::optional<sys::MountFacts>& facts, uint32_t major, uint32_t minor) {
+  return facts.has_value() && facts->dev_major == major && facts->dev_minor == minor;
+}
+
+// Restores what was saved before a failed operation began.
+void RollBack(const VolumeOpsContext& ctx, const std::string& volume_id,
+              const std::optional<state::Volume>& previous) {
+  absl::Status s = previous ? ctx.store->SaveBlocking(*previous) : ctx.store->RemoveBlocking(volume_id);
+  if (!s.ok()) LOG(ERROR) << "rolling back state of volume " << volume_id << ": " << s;
+}
+
+// Creates the mount point (a directory, or an empty file for non-directory sources) if missing.
+// Returns whether it created it.
+absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const std::string& rel,
+                                              bool directory) {
+  auto parent = ctx.kubelet->OpenParentBlocking(rel);
+  if (!parent.ok()) return parent.status();
+  const std::string name(BaseName(rel));
+  if (directory) {
+    if (mkdirat(parent->get(), name.c_str(), 0750) == 0) return true;
+    if (errno != EEXIST) return ErrnoStatus(errno, "mkdir", Abs(ctx, rel));
+  } else {
+    int fd = openat(parent->get(), name.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW | O_CLOEXEC, 0640);
+    if (fd >= 0) {
+      close(fd);
+      return true;
+    }
+    if (errno != EEXIST) return ErrnoStatus(errno, "creating", Abs(ctx, rel));
+  }
+  struct stat st;
+  if (fstatat(parent->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    return ErrnoStatus(errno, "stat", Abs(ctx, rel));
+  }
+  if (directory != S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        Abs(ctx, rel), " exists and is ", S_ISDIR(st.st_mode) ? "a directory" : "not a directory",
+        ", but the volume's source ", directory ? "is a directory" : "is not a directory"));
+  }
+  return false;
+}
+
+// Unmounts our mount(s) at rel (possibly stacked), leaving anything foreign in place.
+absl::Status UnmountOursBlocking(const VolumeOpsContext& ctx, const std::string& rel,
+                                 const state::MountIdentity& id) {
+  const std::string path = Abs(ctx, rel);
+  for (int i = 0; i < kMaxStackedUnmounts; ++i) {
+    auto fd = ctx.kubelet->OpenPathBlocking(rel);
+    if (!fd.ok()) return fd.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : fd.status();
+    auto facts = LookupMountAtBlocking(fd->get(), path);
+    if (!facts.ok()) return facts.status();
+    if (!facts->has_value()) return absl::OkStatus();
+    // A bind of the same source is ours even if a restart lost its unique id.
+    if (!SameDevice(*facts, id.dev_major(), id.dev_minor()) || (*facts)->root != id.root()) {
+      if (i == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "something fusekeeper did not mount is mounted at ", path, " (", (*facts)->fs_type,
+            "); not unmounting it"));
+      }
+      return absl::OkStatus();
+    }
+    absl::Status s = UnmountFdBlocking(fd->get(), path);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
+  }
+  return absl::OkStatus();
+}
+
+// Removes a mount point we created (or any empty directory).
+void RemoveMountPointBlocking(const VolumeOpsContext& ctx, const std::string& rel, bool directory,
+                              bool created) {
+  auto parent = ctx.kubelet->OpenParentBlocking(rel);
+  if (!parent.ok()) return;
+  const std::string name(BaseName(rel));
+  if (directory) {
+    if (unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
+      LOG(WARNING) << "could not remove " << Abs(ctx, rel) << ": " << strerror(errno);
+    }
+  } else if (created) {
+    unlinkat(parent->get(), name.c_str(), 0);
+  }
+}
+
+}  // namespace
+
+bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::MountIdentity& id) {
+  if (!facts.has_value()) return false;
+  if (facts->dev_major != id.dev_major() || facts->dev_minor != id.dev_minor() ||
+      facts->root != id.root()) {
+    return false;
+  }
+  return id.unique_id() == 0 || facts->mnt_id == 0 || facts->mnt_id == id.unique_id();
+}
+
+absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::Volume v,
+                                            std::optional<state::Volume> previous,
+                                            const BindOptions& bind) {
+  auto type = ParseHostPathType(v.host_path_type());
+  if (!type.ok()) return type.status();
+  auto source = OpenHostPathBlocking(v.host_path(), *type);
+  if (!source.ok()) return source.status();
+  struct stat st;
+  if (fstat(source->fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", v.host_path());
+  v.set_is_directory(source->is_directory);
+  v.set_source_dev_major(major(st.st_dev));
+  v.set_source_dev_minor(minor(st.st_dev));
+  v.set_staging_pending(true);
+  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+
+  auto fail = [&](absl::Status s) {
+    RollBack(ctx, v.volume_id(), previous);
+    return s;
+  };
+  auto rel = Rel(ctx, v.staging_path());
+  if (!rel.ok()) return fail(rel.status());
+  if (auto made = EnsureMountPointBlocking(ctx, *rel, /*directory=*/true); !made.ok()) return fail(made.status());
+  std::string mount_rel = *rel;
+  if (!v.is_directory()) {
+    mount_rel = absl::StrCat(*rel, "/", kStagedFileName);
+    if (auto made = EnsureMountPointBlocking(ctx, mount_rel, false); !made.ok()) return fail(made.status());
+  }
+  const std::string mount_path = Abs(ctx, mount_rel);
+  auto target = ctx.kubelet->OpenPathBlocking(mount_rel);
+  if (!target.ok()) return fail(target.status());
+  auto facts = LookupMountAtBlocking(target->get(), mount_path);
+  if (!facts.ok()) return fail(facts.status());
+  if (SameDevice(*facts, v.source_dev_major(), v.source_dev_minor())) {
+    LOG(INFO) << "volume " << v.volume_id() << ": " << mount_path << " is already mounted; adopting it";
+  } else {
+    if (auto s = BindMountFdBlocking(source->fd.get(), target->get(), bind, v.host_path(), mount_path); !s.ok()) {
+      return fail(s);
+    }
+  }
+  auto mounted = ctx.kubelet->OpenPathBlocking(mount_rel);
+  if (!mounted.ok()) return fail(mounted.status());
+  auto id = IdentifyBlocking(mounted->get(), mount_path);
+  if (!id.ok()) return fail(id.status());
+  *v.mutable_staging_mount() = *id;
+  v.set_staging_pending(false);
+  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  return v;
+}
+
+absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state::Volume v, int index,
+                                              std::optional<state::Volume> previous,
+                                              const BindOptions& bind) {
+  auto fail = [&](absl::Status s) {
+    RollBack(ctx, v.volume_id(), previous);
+    return s;
+  };
+  // The source: the staging mount, or (ephemeral) the host path itself.
+  UniqueFd source;
+  std::string source_name;
+  if (!v.staging_path().empty()) {
+    auto rel = Rel(ctx, v.staging_path());
+    if (!rel.ok()) return rel.status();
+    std::string mount_rel = v.is_directory() ? *rel : absl::StrCat(*rel, "/", kStagedFileName);
+    source_name = Abs(ctx, mount_rel);
+    auto fd = ctx.kubelet->OpenPathBlocking(mount_rel);
+    if (!fd.ok()) return fd.status();
+    auto facts = LookupMountAtBlocking(fd->get(), source_name);
+    if (!facts.ok()) return facts.status();
+    if (!MountMatches(*facts, v.staging_mount())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "volume ", v.volume_id(), " is no longer mounted at its staging path ", source_name,
+          "; stage it again"));
+    }
+    source = std::move(*fd);
+  } else {
+    auto type = ParseHostPathType(v.host_path_type());
+    if (!type.ok()) return type.status();
+    auto opened = OpenHostPathBlocking(v.host_path(), *type);
+    if (!opened.ok()) return opened.status();
+    struct stat st;
+    if (fstat(opened->fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", v.host_path());
+    v.set_is_directory(opened->is_directory);
+    v.set_source_dev_major(major(st.st_dev));
+    v.set_source_dev_minor(minor(st.st_dev));
+    source = std::move(opened->fd);
+    source_name = v.host_path();
+  }
+
+  state::Target* t = v.mutable_targets(index);
+  t->set_pending(true);
+  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  auto rel = Rel(ctx, t->path());
+  if (!rel.ok()) return fail(rel.status());
+  auto created = EnsureMountPointBlocking(ctx, *rel, v.is_directory());
+  if (!created.ok()) return fail(created.status());
+  if (*created) t->set_created(true);
+  auto target = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!target.ok()) return fail(target.status());
+  auto facts = LookupMountAtBlocking(target->get(), Abs(ctx, *rel));
+  if (!facts.ok()) return fail(facts.status());
+  if (SameDevice(*facts, v.source_dev_major(), v.source_dev_minor())) {
+    LOG(INFO) << "volume " << v.volume_id() << ": " << t->path() << " is already mounted; adopting it";
+  } else if (facts->has_value()) {
+    return fail(absl::AlreadyExistsError(absl::StrCat(
+        "something else (", (*facts)->fs_type, ") is already mounted at ", t->path())));
+  } else if (auto s = BindMountFdBlocking(source.get(), target->get(), bind, source_name, t->path()); !s.ok()) {
+    if (*created) RemoveMountPointBlocking(ctx, *rel, v.is_directory(), true);
+    return fail(s);
+  }
+  auto mounted = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!mounted.ok()) return fail(mounted.status());
+  auto id = IdentifyBlocking(mounted->get(), Abs(ctx, *rel));
+  if (!id.ok()) return fail(id.status());
+  *t->mutable_mount() = *id;
+  t->set_pending(false);
+  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  return v;
+}
+
+absl::StatusOr<std::optional<state::Volume>> UnpublishBlocking(const VolumeOpsContext& ctx,
+                                                               state::Volume v,
+                                                               const std::string& path) {
+  int index = -1;
+  for (int i = 0; i < v.targets_size(); ++i) {
+    if (v.targets(i).path() == path) index = i;
+  }
+  if (index >= 0) {
+    const state::Target& t = v.targets(index);
+    auto rel = Rel(ctx, path);
+    if (!rel.ok()) return rel.status();
+    state::MountIdentity id = t.mount();
+    if (t.pending()) {  // never completed: whatever of ours is there has the source's device
+      id.set_dev_major(v.source_dev_major());
+      id.set_dev_minor(v.source_dev_minor());
+    }
+    absl::Status s = UnmountOursBlocking(ctx, *rel, id);
+    if (!s.ok() && !(t.pending() && s.code() == absl::StatusCode::kFailedPrecondition)) return s;
+    RemoveMountPointBlocking(ctx, *rel, v.is_directory(), t.created());
+    v.mutable_targets()->DeleteSubrange(index, 1);
+  }
+  if (v.staging_path().empty() && v.targets_size() == 0) {
+    if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
+    return std::optional<state::Volume>();
+  }
+  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  return std::optional<state::Volume>(std::move(v));
+}
+
+absl::Status UnstageBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {
+  auto rel = Rel(ctx, v.staging_path());
+  if (!rel.ok()) return rel.status();
+  std::string mount_rel = v.is_directory() ? *rel : absl::StrCat(*rel, "/", kStagedFileName);
+  state::MountIdentity id = v.staging_mount();
+  if (v.staging_pending()) {
+    id.set_dev_major(v.source_dev_major());
+    id.set_dev_minor(v.source_dev_minor());
+  }
+  absl::Status s = UnmountOursBlocking(ctx, mount_rel, id);
+  if (!s.ok() && !(v.staging_pending() && s.code() == absl::StatusCode::kFailedPrecondition)) return s;
+  if (!v.is_directory()) RemoveMountPointBlocking(ctx, mount_rel, false, true);
+  return ctx.store->RemoveBlocking(v.volume_id());
+}
+
+absl::Status ForgetUnknownPathBlocking(const VolumeOpsContext& ctx, const std::string& path,
+                                       const std::string& volume_id, bool remove_dir) {
+  auto rel = Rel(ctx, path);
+  if (!rel.ok()) return rel.status();
+  auto fd = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!fd.ok()) return fd.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : fd.status();
+  auto facts = LookupMountAtBlocking(fd->get(), Abs(ctx, *rel));
+  if (!facts.ok()) return facts.status();
+  if (facts->has_value()) {
+    return absl::NotFoundError(absl::StrCat("volume ", volume_id, " is not known to fusekeeper at ",
+                                            path, ", and something else is mounted there"));
+  }
+  fd->Reset();
+  if (remove_dir) RemoveMountPointBlocking(ctx, *rel, /*directory=*/true, false);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOpsContext& ctx,
+                                                                  const std::string& path,
+                                                                  const state::MountIdentity& id) {
+  csi::v1::NodeGetVolumeStatsResponse resp;
+  auto rel = Rel(ctx, path);
+  if (!rel.ok()) return rel.status();
+  auto fd = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!fd.ok()) {
+    resp.mutable_volume_condition()->set_abnormal(true);
+    resp.mutable_volume_condition()->set_message(std::string(fd.status().message()));
+    return resp;
+  }
+  auto facts = LookupMountAtBlocking(fd->get(), Abs(ctx, *rel));
+  if (!facts.ok()) return facts.status();
+  if (!MountMatches(*facts, id)) {
+    resp.mutable_volume_condition()->set_abnormal(true);
+    resp.mutable_volume_condition()->set_message(
+        facts->has_value() ? absl::StrCat(path, " has a different mount on it (", (*facts)->fs_type, ")")
+                           : absl::StrCat(path, " is not mounted any more"));
+    return resp;
+  }
+  struct statfs sf;
+  if (fstatfs(fd->get(), &sf) != 0) {
+    resp.mutable_volume_condition()->set_abnormal(true);
+    resp.mutable_volume_condition()->set_message(
+        absl::StrCat("statfs ", path, " failed: ", strerror(errno)));
+    return resp;
+  }
+  const int64_t unit = static_cast<int64_t>(sf.f_frsize ? sf.f_frsize : sf.f_bsize);
+  auto* bytes = resp.add_usage();
+  bytes->set_unit(csi::v1::VolumeUsage::BYTES);
+  bytes->set_total(static_cast<int64_t>(sf.f_blocks) * unit);
+  bytes->set_available(static_cast<int64_t>(sf.f_bavail) * unit);
+  bytes->set_used(static_cast<int64_t>(sf.f_blocks - sf.f_bfree) * unit);
+  auto* inodes = resp.add_usage();
+  inodes->set_unit(csi::v1::VolumeUsage::INODES);
+  inodes->set_total(static_cast<int64_t>(sf.f_files));
+  inodes->set_available(static_cast<int64_t>(sf.f_ffree));
+  inodes->set_used(static_cast<int64_t>(sf.f_files - sf.f_ffree));
+  resp.mutable_volume_condition()->set_abnormal(false);
+  resp.mutable_volume_condition()->set_message("mounted");
+  return resp;
+}
+
+}  // namespace fusekeeper

@@ -1,0 +1,59 @@
+// The blocking halves of the Node RPCs for host-path volumes. Every function here runs on the
+// BlockingPool, takes a copy of the volume's state, and returns the new state for the loop to
+// adopt. Intent is written first (`pending`), the mount is made on file descriptors, then its
+// identity is recorded, so a kill -9 between any two steps is repaired by Reconcile at start-up.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "agent/mount/mount_ops.h"
+#include "agent/paths/kubelet_dir.h"
+#include "agent/volume/state_store.h"
+#include "proto/csi.pb.h"
+#include "proto/state.pb.h"
+
+namespace fusekeeper {
+
+struct VolumeOpsContext {
+  const KubeletDir* kubelet;
+  const StateStore* store;
+};
+
+// Whether `facts` (what is mounted at a path) is the mount `id` describes.
+bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::MountIdentity& id);
+
+// Stages `volume` (host_path, host_path_type and staging_path set) at its staging path.
+// `existed`: whether a previous state of this volume was saved (to restore it on failure).
+absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::Volume volume,
+                                            std::optional<state::Volume> previous,
+                                            const BindOptions& bind);
+
+// Publishes volume.targets(index). For a staged volume the source is its staging mount, for an
+// unstaged (ephemeral) one the host path itself.
+absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state::Volume volume,
+                                              int index, std::optional<state::Volume> previous,
+                                              const BindOptions& bind);
+
+// Unmounts and removes target `path` of `volume`. Returns the remaining state, or nullopt if the
+// volume has nothing left (its state file is then removed).
+absl::StatusOr<std::optional<state::Volume>> UnpublishBlocking(const VolumeOpsContext& ctx,
+                                                               state::Volume volume,
+                                                               const std::string& path);
+
+// Unmounts the staging mount and removes the volume's state.
+absl::Status UnstageBlocking(const VolumeOpsContext& ctx, const state::Volume& volume);
+
+// For a path no volume knows: OK if nothing is mounted there (removing an empty directory left
+// behind), NOT_FOUND if something is mounted that fusekeeper did not make.
+absl::Status ForgetUnknownPathBlocking(const VolumeOpsContext& ctx, const std::string& path,
+                                       const std::string& volume_id, bool remove_dir);
+
+// Bytes and inodes of the mount at `path`, which must be the mount `id` describes; a missing or
+// foreign mount is reported as an abnormal condition, not an error.
+absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOpsContext& ctx,
+                                                                  const std::string& path,
+                                                                  const state::MountIdentity& id);
+
+}  // namespace fusekeeper
