@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "agent/base/crash_point.h"
 #include "agent/base/status.h"
 #include "agent/paths/host_path.h"
 #include "glog/logging.h"
@@ -75,6 +76,10 @@ absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const
   struct stat st;
   if (fstatat(parent->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     return ErrnoStatus(errno, "stat", Abs(ctx, rel));
+  }
+  if (S_ISLNK(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Abs(ctx, rel), " is a symlink; refusing to mount onto it"));
   }
   if (directory != S_ISDIR(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -149,6 +154,7 @@ absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::
   v.set_source_dev_minor(minor(st.st_dev));
   v.set_staging_pending(true);
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  CrashPoint("stage-intent-saved");
 
   auto fail = [&](absl::Status s) {
     RollBack(ctx, v.volume_id(), previous);
@@ -173,6 +179,7 @@ absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::
     if (auto s = BindMountFdBlocking(source->fd.get(), target->get(), bind, v.host_path(), mount_path); !s.ok()) {
       return fail(s);
     }
+    CrashPoint("stage-mounted");
   }
   auto mounted = ctx.kubelet->OpenPathBlocking(mount_rel);
   if (!mounted.ok()) return fail(mounted.status());
@@ -226,6 +233,7 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   state::Target* t = v.mutable_targets(index);
   t->set_pending(true);
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  CrashPoint("publish-intent-saved");
   auto rel = Rel(ctx, t->path());
   if (!rel.ok()) return fail(rel.status());
   auto created = EnsureMountPointBlocking(ctx, *rel, v.is_directory());
@@ -243,6 +251,8 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   } else if (auto s = BindMountFdBlocking(source.get(), target->get(), bind, source_name, t->path()); !s.ok()) {
     if (*created) RemoveMountPointBlocking(ctx, *rel, v.is_directory(), true);
     return fail(s);
+  } else {
+    CrashPoint("publish-mounted");
   }
   auto mounted = ctx.kubelet->OpenPathBlocking(*rel);
   if (!mounted.ok()) return fail(mounted.status());
@@ -272,6 +282,7 @@ absl::StatusOr<std::optional<state::Volume>> UnpublishBlocking(const VolumeOpsCo
     }
     absl::Status s = UnmountOursBlocking(ctx, *rel, id);
     if (!s.ok() && !(t.pending() && s.code() == absl::StatusCode::kFailedPrecondition)) return s;
+    CrashPoint("unpublish-unmounted");
     RemoveMountPointBlocking(ctx, *rel, v.is_directory(), t.created());
     v.mutable_targets()->DeleteSubrange(index, 1);
   }
@@ -294,6 +305,7 @@ absl::Status UnstageBlocking(const VolumeOpsContext& ctx, const state::Volume& v
   }
   absl::Status s = UnmountOursBlocking(ctx, mount_rel, id);
   if (!s.ok() && !(v.staging_pending() && s.code() == absl::StatusCode::kFailedPrecondition)) return s;
+  CrashPoint("unstage-unmounted");
   if (!v.is_directory()) RemoveMountPointBlocking(ctx, mount_rel, false, true);
   return ctx.store->RemoveBlocking(v.volume_id());
 }

@@ -16,6 +16,8 @@ inline std::shared_ptr<grpc::Channel> DialUnixSocket(const std::string& socket_p
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 10);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 10);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 100);
+  // Own subchannels: a channel to a restarted agent must not inherit the dead one's backoff.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
 }
 
