@@ -1,0 +1,67 @@
+#include "agent/volume/state_store.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(StateStoreTest, SaveLoadRemoveRoundTrip) {
+  ShortTempDir d;
+  auto store = StateStore::Open(d.path() + "/state");
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(fs::status(d.path() + "/state/volumes").permissions() & fs::perms::all, fs::perms::owner_all);
+  state::Volume v;
+  v.set_volume_id(std::string("id with / and \n and \xc3\xbc (u-umlaut)") + std::string(100, 'x'));
+  v.set_host_path("/data");
+  v.add_targets()->set_path("/k/t");
+  ASSERT_TRUE(store->SaveBlocking(v).ok());
+  v.set_host_path("/data2");
+  ASSERT_TRUE(store->SaveBlocking(v).ok());  // overwrite
+  std::vector<std::string> problems;
+  auto loaded = store->LoadAllBlocking(&problems);
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->size(), 1u);
+  EXPECT_EQ((*loaded)[0].volume_id(), v.volume_id());
+  EXPECT_EQ((*loaded)[0].host_path(), "/data2");
+  EXPECT_TRUE(problems.empty());
+  ASSERT_TRUE(store->RemoveBlocking(v.volume_id()).ok());
+  ASSERT_TRUE(store->RemoveBlocking(v.volume_id()).ok()) << "idempotent";
+  EXPECT_TRUE(store->LoadAllBlocking(&problems)->empty());
+}
+
+TEST(StateStoreTest, CorruptFilesAreMovedAsideAndTempFilesCleaned) {
+  ShortTempDir d;
+  {
+    auto store = StateStore::Open(d.path());
+    ASSERT_TRUE(store.ok());
+    state::Volume v;
+    v.set_volume_id("good");
+    ASSERT_TRUE(store->SaveBlocking(v).ok());
+  }
+  const std::string dir = d.path() + "/volumes";
+  { std::ofstream(dir + "/" + Sha256Hex("bad") + ".state") << "\xff\xff garbage"; }
+  { std::ofstream(dir + "/x.state.tmp.123.0") << "half-written"; }
+  auto store = StateStore::Open(d.path());
+  ASSERT_TRUE(store.ok());
+  EXPECT_FALSE(fs::exists(dir + "/x.state.tmp.123.0")) << "a killed writer's temp file";
+  std::vector<std::string> problems;
+  auto loaded = store->LoadAllBlocking(&problems);
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_EQ(loaded->size(), 1u);
+  EXPECT_EQ((*loaded)[0].volume_id(), "good");
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_TRUE(fs::exists(dir + "/" + Sha256Hex("bad") + ".state.corrupt"));
+}
+
+TEST(StateStoreTest, RejectsRelativeDir) {
+  EXPECT_EQ(StateStore::Open("relative").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace fusekeeper

@@ -1,0 +1,140 @@
+// VolumeManager in-process, with its one pool thread held hostage where a test needs an operation
+// provably in flight: ABORTED for the same volume, no waiting across volumes, the stats deadline.
+#include "agent/volume/volume_manager.h"
+
+#include <filesystem>
+#include <future>
+
+#include "gtest/gtest.h"
+#include "tests/testing/csi_client.h"
+#include "tests/testing/loop_thread.h"
+#include "tests/testing/mount_fixture.h"
+
+namespace fusekeeper {
+namespace {
+
+namespace fs = std::filesystem;
+
+class VolumeManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fs::create_directories(root_.path() + "/kubelet/pods");
+    data_ = root_.path() + "/data";
+    fs::create_directories(data_);
+    auto k = KubeletDir::Open(root_.path() + "/kubelet");
+    ASSERT_TRUE(k.ok());
+    kubelet_ = std::make_unique<KubeletDir>(std::move(*k));
+    auto st = StateStore::Open(root_.path() + "/state");
+    ASSERT_TRUE(st.ok());
+    store_ = std::make_unique<StateStore>(std::move(*st));
+    pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
+    lt_.RunOnLoop([&] {
+      auto r = MountTableReader::Create(lt_.loop());
+      ASSERT_TRUE(r.ok());
+      reader_ = std::move(*r);
+      manager_ = std::make_unique<VolumeManager>(lt_.loop(), *pool_, *kubelet_, *store_, *reader_,
+                                                 VolumeManagerOptions{absl::Milliseconds(50)});
+    });
+  }
+  void TearDown() override {
+    pool_->Shutdown(absl::Seconds(5));
+    lt_.StopAndJoin();
+  }
+  void StartManager() {
+    std::promise<absl::Status> started;
+    lt_.RunOnLoop([&] { manager_->Start([&](absl::Status s) { started.set_value(s); }); });
+    auto f = started.get_future();
+    ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+    ASSERT_TRUE(f.get().ok());
+  }
+  csi::v1::NodeStageVolumeRequest StageReq(const std::string& id) {
+    csi::v1::NodeStageVolumeRequest r;
+    r.set_volume_id(id);
+    std::string staging = root_.path() + "/kubelet/plugins/" + id + "/globalmount";
+    fs::create_directories(staging);
+    r.set_staging_target_path(staging);
+    *r.mutable_volume_capability() = MountCapability();
+    (*r.mutable_volume_context())["kind"] = "hostPath";
+    (*r.mutable_volume_context())["path"] = data_;
+    return r;
+  }
+  // Calls Stage on the loop; returns a future of its result.
+  std::future<absl::Status> Stage(const csi::v1::NodeStageVolumeRequest& r) {
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&, p] { manager_->Stage(r, [p](absl::Status s) { p->set_value(s); }); });
+    return f;
+  }
+  // Occupies the only pool thread until the returned promise is fulfilled.
+  std::shared_ptr<std::promise<void>> HoldPool() {
+    auto release = std::make_shared<std::promise<void>>();
+    auto held = std::make_shared<std::promise<void>>();
+    auto f = release->get_future().share();
+    EXPECT_TRUE(pool_->Submit("hostage", [held, f] { held->set_value(); f.wait(); }, [](absl::Status) {}).ok());
+    EXPECT_EQ(held->get_future().wait_for(kTestDeadline), std::future_status::ready);
+    return release;
+  }
+
+  TmpfsDir root_;
+  std::string data_;
+  LoopThread lt_;
+  std::unique_ptr<KubeletDir> kubelet_;
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<BlockingPool> pool_;
+  std::unique_ptr<MountTableReader> reader_;
+  std::unique_ptr<VolumeManager> manager_;
+};
+
+TEST_F(VolumeManagerTest, UnavailableUntilStateIsReconciled) {
+  auto f = Stage(StageReq("v"));
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(f.get().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(VolumeManagerTest, SecondRpcForABusyVolumeIsAbortedOtherVolumesProceed) {
+  StartManager();
+  auto release = HoldPool();
+  auto first = Stage(StageReq("v"));     // queued behind the hostage: v is busy
+  auto second = Stage(StageReq("v"));    // answered at once
+  ASSERT_EQ(second.wait_for(kTestDeadline), std::future_status::ready);
+  absl::Status s = second.get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("already in progress"), std::string::npos);
+  auto other = Stage(StageReq("w"));     // a different volume is not refused
+  EXPECT_EQ(other.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  release->set_value();
+  ASSERT_EQ(first.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(first.get().ok());
+  ASSERT_EQ(other.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(other.get().ok());
+  // Once finished, the volume takes RPCs again (a repeat is OK).
+  auto again = Stage(StageReq("v"));
+  ASSERT_EQ(again.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(again.get().ok());
+  EXPECT_EQ(MountCountAt(StageReq("v").staging_target_path()), 1);
+}
+
+TEST_F(VolumeManagerTest, StatsAnswersAbnormalWithinItsDeadlineWhenStatfsHangs) {
+  StartManager();
+  auto staged = Stage(StageReq("v"));
+  ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_TRUE(staged.get().ok());
+  auto release = HoldPool();  // statfs cannot run: as if it hung on a dead mount
+  std::promise<absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>> result;
+  csi::v1::NodeGetVolumeStatsRequest r;
+  r.set_volume_id("v");
+  r.set_volume_path(StageReq("v").staging_target_path());
+  lt_.RunOnLoop([&] { manager_->Stats(r, [&](auto resp) { result.set_value(std::move(resp)); }); });
+  auto f = result.get_future();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  auto resp = f.get();
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  EXPECT_TRUE(resp->volume_condition().abnormal());
+  EXPECT_NE(resp->volume_condition().message().find("did not answer within 50ms"), std::string::npos)
+      << resp->volume_condition().message();
+  release->set_value();
+  lt_.RunOnLoop([] {});  // the late statfs result is dropped, not answered twice
+}
+
+}  // namespace
+}  // namespace fusekeeper
