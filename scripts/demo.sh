@@ -1,57 +1,97 @@
 #!/usr/bin/env bash
 # fusekeeper's main job on a machine without a cluster: install, build, start the node agent on a
-# local CSI socket, and drive it the way kubelet, node-driver-registrar and livenessprobe do,
-# with fkctl. Ends with an orderly SIGTERM shutdown. Exits non-zero if anything misbehaves.
+# local CSI socket, and drive it the way kubelet, node-driver-registrar and livenessprobe do, with
+# fkctl: a host-path volume is staged, published into two "pods", read and written through the
+# targets, unpublished and unstaged. Everything runs in a private mount namespace, so nothing it
+# mounts touches the host. Ends with an orderly SIGTERM shutdown; exits non-zero on any surprise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-bazel build //agent:fusekeeper //agent:fkctl
+if [ -z "${FUSEKEEPER_DEMO_NS:-}" ]; then
+  bash scripts/setup.sh
+  bazel build //agent:fusekeeper //agent:fkctl
+  FUSEKEEPER_DEMO_NS=1 exec unshare --mount --propagation private bash "$0" "$@"
+fi
 
 work=$(mktemp -d /tmp/fusekeeper-demo.XXXXXX)
+mount -t tmpfs demo "$work"   # private to this namespace
 sock="$work/csi.sock"
+kubelet="$work/kubelet"
 agent=bazel-bin/agent/fusekeeper
 fkctl() { bazel-bin/agent/fkctl --endpoint="unix://$sock" "$@"; }
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 fail() { echo "DEMO FAILED: $*" >&2; exit 1; }
+mkdir -p "$kubelet/pods" "$kubelet/plugins" "$work/host/data"
 
-"$agent" --endpoint="unix://$sock" --node_id="$(hostname)" 2>"$work/agent.log" &
+"$agent" --endpoint="unix://$sock" --node_id="$(hostname)" --kubelet_dir="$kubelet" \
+  --state_dir="$work/state" 2>"$work/agent.log" &
 pid=$!
-cleanup() { kill "$pid" 2>/dev/null || true; rm -rf "$work"; }
+cleanup() { kill "$pid" 2>/dev/null || true; cp "$work/agent.log" /tmp/fusekeeper-demo-agent.log 2>/dev/null || true; }
 trap cleanup EXIT
 
-step "Start the agent on unix://$sock"
+step "Start the agent on unix://$sock (kubelet dir $kubelet)"
 for _ in $(seq 100); do
-  fkctl --timeout_ms=200 Probe >/dev/null 2>&1 && break
+  fkctl --timeout_ms=200 Probe 2>/dev/null | grep -q '"ready": true' && break
   kill -0 "$pid" 2>/dev/null || { cat "$work/agent.log"; fail "agent exited"; }
   sleep 0.1
 done
 ls -l "$sock"
 [ "$(stat -c %a "$sock")" = 660 ] || fail "socket mode is not 0660"
 
-step "GetPluginInfo (what node-driver-registrar asks)"
+step "GetPluginInfo and Probe (what node-driver-registrar and livenessprobe ask)"
 fkctl GetPluginInfo
-step "Probe (what livenessprobe asks)"
-fkctl Probe | grep -q '"ready": true' || fail "Probe not ready"
 fkctl Probe
 step "NodeGetInfo and NodeGetCapabilities (what kubelet asks at registration)"
 fkctl NodeGetInfo
 fkctl NodeGetCapabilities
 
-step "NodePublishVolume without a volume id: the spec's INVALID_ARGUMENT"
-set +e
-fkctl NodePublishVolume --target_path=/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/v/mount
-code=$?
-set -e
-[ "$code" = 3 ] || fail "expected INVALID_ARGUMENT (3), got $code"
+step "NodeStageVolume: a hostPath volume (type Directory) mounted at the staging path"
+echo "hello from the node" > "$work/host/data/hello.txt"
+staging="$kubelet/plugins/kubernetes.io/csi/fusekeeper.csi/demo/globalmount"
+mkdir -p "$staging"   # kubelet creates it
+fkctl NodeStageVolume --volume_id=demo-vol --staging_target_path="$staging" \
+  --volume_context="kind=hostPath,path=$work/host/data,type=Directory"
+grep " $staging " /proc/self/mountinfo
 
-step "NodePublishVolume carrying a secret: the request is logged, the secret is not"
+step "NodePublishVolume into two pods (pod-b read-only); a repeat is idempotent"
+t1="$kubelet/pods/pod-a/volumes/kubernetes.io~csi/demo/mount"
+t2="$kubelet/pods/pod-b/volumes/kubernetes.io~csi/demo/mount"
+mkdir -p "$(dirname "$t1")" "$(dirname "$t2")"   # kubelet creates the parents
+fkctl NodePublishVolume --volume_id=demo-vol --staging_target_path="$staging" --target_path="$t1"
+fkctl NodePublishVolume --volume_id=demo-vol --staging_target_path="$staging" --target_path="$t1"
+fkctl NodePublishVolume --volume_id=demo-vol --staging_target_path="$staging" --target_path="$t2" --readonly
+[ "$(grep -c " $t1 " /proc/self/mountinfo)" = 1 ] || fail "publish mounted twice"
+
+step "Read and write through the targets"
+echo "pod-a reads: $(cat "$t1/hello.txt")"
+echo "written by pod-a" > "$t1/from-pod-a.txt"
+echo "pod-b reads: $(cat "$t2/from-pod-a.txt")"
+echo "host sees:   $(cat "$work/host/data/from-pod-a.txt")"
+if echo x 2>/dev/null > "$t2/nope.txt"; then fail "read-only target accepted a write"; fi
+echo "pod-b's read-only target refuses writes"
+
+step "NodeGetVolumeStats"
+fkctl NodeGetVolumeStats --volume_id=demo-vol --volume_path="$t1"
+
+step "Errors say what was wrong"
 set +e
-fkctl NodePublishVolume --volume_id=demo-vol --target_path=/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/v/mount \
-  --secrets=password=demo-hunter2 --mount_flags=token=demo-flag-secret
+fkctl NodePublishVolume --volume_id=demo-vol --staging_target_path="$staging" --target_path=/etc/evil
+[ $? = 3 ] || fail "a target outside the kubelet dir was not INVALID_ARGUMENT"
+fkctl NodePublishVolume --volume_id=x --target_path="$kubelet/pods/p/volumes/kubernetes.io~csi/x/mount" \
+  --volume_context="kind=hostPath,path=$work/host/data/hello.txt,type=Directory"
+[ $? = 9 ] || fail "a wrong hostPath type was not FAILED_PRECONDITION"
+fkctl NodePublishVolume --volume_id=demo-vol --target_path="$t1" --secrets=password=demo-hunter2 \
+  --mount_flags=token=demo-flag-secret
 set -e
-grep 'NodePublishVolume volume_id: "demo-vol"' "$work/agent.log"
 if grep -q -e demo-hunter2 -e demo-flag-secret "$work/agent.log"; then fail "secret in the log"; fi
 echo "(no secret value in the agent log)"
+
+step "NodeUnpublishVolume and NodeUnstageVolume"
+fkctl NodeUnpublishVolume --volume_id=demo-vol --target_path="$t1"
+fkctl NodeUnpublishVolume --volume_id=demo-vol --target_path="$t2"
+fkctl NodeUnstageVolume --volume_id=demo-vol --staging_target_path="$staging"
+[ ! -e "$t1" ] || fail "target path left behind"
+if grep -q -e " $staging " -e " $t1 " /proc/self/mountinfo; then fail "mount left behind"; fi
+echo "no mounts left; the data stays on the host: $(ls "$work/host/data" | tr '\n' ' ')"
 
 step "SIGTERM: orderly shutdown"
 kill -TERM "$pid"

@@ -5,7 +5,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <regex>
 
 #include "gtest/gtest.h"
@@ -206,6 +208,80 @@ TEST_F(CsiSanityTest, NodeGetVolumeStatsFailsOnMissingArguments) {
   r.clear_volume_path();
   auto c2 = Ctx();
   EXPECT_EQ(node()->NodeGetVolumeStats(c2.get(), r, &resp).error_code(), grpc::INVALID_ARGUMENT);
+}
+
+// "Node Service NodeGetVolumeStats should fail when volume is not found"
+TEST_F(CsiSanityTest, NodeGetVolumeStatsFailsWhenVolumeIsNotFound) {
+  ASSERT_TRUE(HasNodeCap(NodeServiceCapability::RPC::GET_VOLUME_STATS));
+  NodeGetVolumeStatsRequest r;
+  r.set_volume_id("no-such-volume");
+  r.set_volume_path(dir_->path() + "/kubelet/pods/x/volumes/kubernetes.io~csi/v/mount");
+  NodeGetVolumeStatsResponse resp;
+  auto ctx = Ctx();
+  EXPECT_EQ(node()->NodeGetVolumeStats(ctx.get(), r, &resp).error_code(), grpc::NOT_FOUND);
+}
+
+// csi-sanity's node-only cycle ("should work", "should be idempotent", "should remove target
+// path", "NodeGetVolumeStats should fail when volume does not exist on the specified path"), with
+// a host-path volume standing in for one a controller would have created.
+TEST_F(CsiSanityTest, StagePublishStatsUnpublishUnstageCycle) {
+  ASSERT_TRUE(HasNodeCap(NodeServiceCapability::RPC::STAGE_UNSTAGE_VOLUME));
+  const std::string kubelet = dir_->path() + "/kubelet";
+  const std::string staging = kubelet + "/plugins/sanity/globalmount";
+  const std::string target_parent = kubelet + "/pods/sanity/volumes/kubernetes.io~csi/v";
+  const std::string target = target_parent + "/mount";
+  const std::string host = dir_->path() + "/host";
+  for (const std::string& d : {staging, target_parent, host}) std::filesystem::create_directories(d);
+  NodeStageVolumeRequest stage;
+  stage.set_volume_id("sanity-vol");
+  stage.set_staging_target_path(staging);
+  *stage.mutable_volume_capability() = MountCapability();
+  (*stage.mutable_volume_context())["kind"] = "hostPath";
+  (*stage.mutable_volume_context())["path"] = host;
+  for (int i = 0; i < 2; ++i) {  // idempotent
+    NodeStageVolumeResponse resp;
+    auto ctx = Ctx();
+    grpc::Status s = node()->NodeStageVolume(ctx.get(), stage, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message() << "\n" << agent_->Stderr();
+  }
+  NodePublishVolumeRequest pub;
+  pub.set_volume_id("sanity-vol");
+  pub.set_staging_target_path(staging);
+  pub.set_target_path(target);
+  *pub.mutable_volume_capability() = MountCapability();
+  for (int i = 0; i < 2; ++i) {
+    NodePublishVolumeResponse resp;
+    auto ctx = Ctx();
+    grpc::Status s = node()->NodePublishVolume(ctx.get(), pub, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  NodeGetVolumeStatsRequest st;
+  st.set_volume_id("sanity-vol");
+  st.set_volume_path(target);
+  NodeGetVolumeStatsResponse stats;
+  auto c1 = Ctx();
+  ASSERT_TRUE(node()->NodeGetVolumeStats(c1.get(), st, &stats).ok());
+  EXPECT_FALSE(stats.volume_condition().abnormal());
+  st.set_volume_path(kubelet + "/pods/other/volumes/kubernetes.io~csi/v/mount");
+  auto c2 = Ctx();
+  EXPECT_EQ(node()->NodeGetVolumeStats(c2.get(), st, &stats).error_code(), grpc::NOT_FOUND);
+  NodeUnpublishVolumeRequest unpub;
+  unpub.set_volume_id("sanity-vol");
+  unpub.set_target_path(target);
+  for (int i = 0; i < 2; ++i) {
+    NodeUnpublishVolumeResponse resp;
+    auto ctx = Ctx();
+    ASSERT_TRUE(node()->NodeUnpublishVolume(ctx.get(), unpub, &resp).ok());
+  }
+  EXPECT_NE(access(target.c_str(), F_OK), 0) << "unpublish must remove the target path";
+  NodeUnstageVolumeRequest unstage;
+  unstage.set_volume_id("sanity-vol");
+  unstage.set_staging_target_path(staging);
+  for (int i = 0; i < 2; ++i) {
+    NodeUnstageVolumeResponse resp;
+    auto ctx = Ctx();
+    ASSERT_TRUE(node()->NodeUnstageVolume(ctx.get(), unstage, &resp).ok());
+  }
 }
 
 // Kubelet relies on advertised capabilities: nothing may be advertised that answers UNIMPLEMENTED.
