@@ -1,6 +1,7 @@
 #include "agent/loop/loop.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -281,6 +282,7 @@ void Loop::ReapCompletions() {
 void Loop::Run() {
   CHECK(loop_thread_.load() == std::thread::id()) << "Loop::Run called twice";
   loop_thread_.store(std::this_thread::get_id(), std::memory_order_release);
+  pthread_setname_np(pthread_self(), "fk-loop");
   if (defer_taskrun_) {
     // io_uring_enable_rings() is declared by liburing 2.3 but missing from Debian's .so.
     long r = syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0);

@@ -43,17 +43,19 @@ absl::Status BindMountFdBlocking(int source_fd, int target_fd, const BindOptions
   return absl::OkStatus();
 }
 
-absl::Status UnmountFdBlocking(int fd, const std::string& path, int busy_retries) {
-  // The magic link names exactly the mount the fd was opened on; no path is looked up again.
-  const std::string via = FdPath(fd);
+absl::Status UnmountAtBlocking(int parent_fd, const std::string& name, const std::string& path,
+                               int busy_retries) {
+  // The parent is pinned by its fd (a magic link, looked up without a path walk from /); only the
+  // last component is resolved, and UMOUNT_NOFOLLOW refuses a symlink planted there.
+  const std::string via = absl::StrCat(FdPath(parent_fd), "/", name);
   for (int attempt = 0;; ++attempt) {
-    if (umount2(via.c_str(), 0) == 0) return absl::OkStatus();
+    if (umount2(via.c_str(), UMOUNT_NOFOLLOW) == 0) return absl::OkStatus();
     if (errno == EINVAL) return absl::NotFoundError(absl::StrCat(path, " is not a mount point"));
     if (errno != EBUSY) return ErrnoStatus(errno, "umount", path);
     if (attempt >= busy_retries) break;
   }
   // Still busy (a process has files open there): detach it now; the kernel frees it when unused.
-  if (umount2(via.c_str(), MNT_DETACH) == 0) return absl::OkStatus();
+  if (umount2(via.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) == 0) return absl::OkStatus();
   return ErrnoStatus(errno, "umount(MNT_DETACH)", path);
 }
 

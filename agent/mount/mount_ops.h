@@ -28,10 +28,13 @@ struct BindOptions {
 absl::Status BindMountFdBlocking(int source_fd, int target_fd, const BindOptions& options,
                                  const std::string& what, const std::string& target_path);
 
-// Unmounts the topmost mount at the path `fd` was opened on (O_PATH, no symlinks). Plain umount
-// first; on EBUSY, up to `busy_retries` more tries, then a lazy MNT_DETACH. Returns OK, or
-// NOT_FOUND (nothing mounted there: EINVAL), or the failure.
-absl::Status UnmountFdBlocking(int fd, const std::string& path, int busy_retries = 2);
+// Unmounts the topmost mount at `name` inside the directory `parent_fd` (an O_PATH fd), never
+// following a symlink there. The caller must hold no fd on the mount itself: an open fd pins a
+// mount and makes a plain unmount fail with EBUSY. Plain umount first; on EBUSY (someone has files
+// open there) up to `busy_retries` more tries, then a lazy MNT_DETACH. Returns OK, or NOT_FOUND
+// (nothing mounted there: EINVAL), or the failure. `path` names the mount point in messages.
+absl::Status UnmountAtBlocking(int parent_fd, const std::string& name, const std::string& path,
+                               int busy_retries = 2);
 
 // Sets propagation (MS_SHARED, MS_PRIVATE, MS_SLAVE or MS_UNBINDABLE) of the mount at fd.
 absl::Status SetPropagationFdBlocking(int fd, uint64_t propagation, const std::string& path);

@@ -93,22 +93,30 @@ absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const
 absl::Status UnmountOursBlocking(const VolumeOpsContext& ctx, const std::string& rel,
                                  const state::MountIdentity& id) {
   const std::string path = Abs(ctx, rel);
+  auto parent = ctx.kubelet->OpenParentBlocking(rel);
+  if (!parent.ok()) return parent.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : parent.status();
+  const std::string name(BaseName(rel));
   for (int i = 0; i < kMaxStackedUnmounts; ++i) {
-    auto fd = ctx.kubelet->OpenPathBlocking(rel);
-    if (!fd.ok()) return fd.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : fd.status();
-    auto facts = LookupMountAtBlocking(fd->get(), path);
-    if (!facts.ok()) return facts.status();
-    if (!facts->has_value()) return absl::OkStatus();
+    std::optional<sys::MountFacts> top;
+    {
+      // Closed before unmounting: an fd on the mount would pin it (EBUSY).
+      auto fd = ctx.kubelet->OpenPathBlocking(rel);
+      if (!fd.ok()) return fd.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : fd.status();
+      auto facts = LookupMountAtBlocking(fd->get(), path);
+      if (!facts.ok()) return facts.status();
+      top = std::move(*facts);
+    }
+    if (!top.has_value()) return absl::OkStatus();
     // A bind of the same source is ours even if a restart lost its unique id.
-    if (!SameDevice(*facts, id.dev_major(), id.dev_minor()) || (*facts)->root != id.root()) {
+    if (!SameDevice(top, id.dev_major(), id.dev_minor()) || top->root != id.root()) {
       if (i == 0) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "something fusekeeper did not mount is mounted at ", path, " (", (*facts)->fs_type,
+            "something fusekeeper did not mount is mounted at ", path, " (", top->fs_type,
             "); not unmounting it"));
       }
       return absl::OkStatus();
     }
-    absl::Status s = UnmountFdBlocking(fd->get(), path);
+    absl::Status s = UnmountAtBlocking(parent->get(), name, path);
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
   }
   return absl::OkStatus();

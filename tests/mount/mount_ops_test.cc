@@ -46,20 +46,23 @@ TEST(MountOpsTest, BindReadOnlyThenUnmount) {
   EXPECT_LT(open((dst + "/new").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644), 0);
   EXPECT_EQ(errno, EROFS);
 
-  UniqueFd top = OpenPath(dst);
-  auto facts = LookupMountAtBlocking(top.get(), dst);
-  ASSERT_TRUE(facts.ok()) << facts.status();
-  ASSERT_TRUE(facts->has_value());
-  EXPECT_TRUE((*facts)->attr & MOUNT_ATTR_RDONLY);
-  EXPECT_EQ((*facts)->root, "/src");
-
-  EXPECT_TRUE(UnmountFdBlocking(top.get(), dst).ok());
+  {
+    UniqueFd top = OpenPath(dst);
+    auto facts = LookupMountAtBlocking(top.get(), dst);
+    ASSERT_TRUE(facts.ok()) << facts.status();
+    ASSERT_TRUE(facts->has_value());
+    EXPECT_TRUE((*facts)->attr & MOUNT_ATTR_RDONLY);
+    EXPECT_EQ((*facts)->root, "/src");
+  }
+  UniqueFd parent = OpenPath(t.path());
+  EXPECT_TRUE(UnmountAtBlocking(parent.get(), "dst", dst, /*busy_retries=*/0).ok())
+      << "a plain unmount, not a lazy detach: nothing holds it";
   EXPECT_EQ(MountCountAt(dst), 0);
   UniqueFd again = OpenPath(dst);
   auto none = LookupMountAtBlocking(again.get(), dst);
   ASSERT_TRUE(none.ok());
   EXPECT_FALSE(none->has_value());
-  EXPECT_EQ(UnmountFdBlocking(again.get(), dst).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(UnmountAtBlocking(parent.get(), "dst", dst).code(), absl::StatusCode::kNotFound);
 }
 
 TEST(MountOpsTest, BusyMountIsDetached) {
@@ -69,9 +72,21 @@ TEST(MountOpsTest, BusyMountIsDetached) {
   ASSERT_EQ(mount("tmpfs", dst.c_str(), "tmpfs", 0, nullptr), 0);
   UniqueFd busy(open((dst + "/f").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));  // keeps it busy
   ASSERT_TRUE(busy.valid());
-  UniqueFd top = OpenPath(dst);
-  EXPECT_TRUE(UnmountFdBlocking(top.get(), dst).ok());
-  EXPECT_EQ(MountCountAt(dst), 0);
+  UniqueFd parent = OpenPath(t.path());
+  EXPECT_TRUE(UnmountAtBlocking(parent.get(), "dst", dst).ok());
+  EXPECT_EQ(MountCountAt(dst), 0) << "detached lazily";
+}
+
+TEST(MountOpsTest, UnmountNeverFollowsASymlink) {
+  TmpfsDir t;
+  const std::string real = t.path() + "/real", link = t.path() + "/link";
+  ASSERT_EQ(mkdir(real.c_str(), 0755), 0);
+  ASSERT_EQ(mount("tmpfs", real.c_str(), "tmpfs", 0, nullptr), 0);
+  ASSERT_EQ(symlink(real.c_str(), link.c_str()), 0);
+  UniqueFd parent = OpenPath(t.path());
+  EXPECT_FALSE(UnmountAtBlocking(parent.get(), "link", link).ok());
+  EXPECT_EQ(MountCountAt(real), 1) << "the mount behind the symlink is untouched";
+  umount2(real.c_str(), MNT_DETACH);
 }
 
 TEST(MountOpsTest, PropagationChanges) {
