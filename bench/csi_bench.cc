@@ -15,6 +15,7 @@
 
 #include "agent/csi/server.h"
 #include "agent/loop/loop.h"
+#include "absl/synchronization/mutex.h"
 #include "benchmark/benchmark.h"
 #include "glog/logging.h"
 #include "proto/csi.grpc.pb.h"
@@ -82,6 +83,12 @@ void BM_ProbeInlineBaseline(benchmark::State& state) {
   std::filesystem::remove_all(dir);
 }
 BENCHMARK(BM_ProbeInlineBaseline)->UseRealTime();
+
+// As the agent's main() does: Debian's abseil has absl::Mutex deadlock detection on by default.
+const bool kNoDeadlockDetection = [] {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  return true;
+}();
 
 }  // namespace
 }  // namespace fusekeeper

@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
+#include "absl/synchronization/mutex.h"
 #include "benchmark/benchmark.h"
 #include "glog/logging.h"
 
@@ -119,6 +120,12 @@ void BM_PoolRoundTrip(benchmark::State& state) {
   pool.Shutdown(absl::Seconds(5));
 }
 BENCHMARK(BM_PoolRoundTrip)->UseRealTime();
+
+// As the agent's main() does: Debian's abseil has absl::Mutex deadlock detection on by default.
+const bool kNoDeadlockDetection = [] {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  return true;
+}();
 
 }  // namespace
 }  // namespace fusekeeper

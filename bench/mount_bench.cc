@@ -25,6 +25,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "agent/csi/server.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
@@ -312,6 +313,8 @@ int main(int argc, char** argv) {
   // A private mount namespace before any thread exists: nothing here touches the host's mounts.
   PCHECK(unshare(CLONE_NEWNS) == 0) << "mount_bench needs root";
   PCHECK(mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0);
+  // As the agent's main() does: Debian's abseil has deadlock detection on by default.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   return 0;
