@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "agent/csi/server.h"
@@ -24,6 +25,7 @@
 #include "agent/loop/loop.h"
 #include "agent/loop/signals.h"
 #include "agent/mount/table_reader.h"
+#include "agent/paths/host_path.h"
 #include "agent/paths/kubelet_dir.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_manager.h"
@@ -57,6 +59,10 @@ DEFINE_string(state_dir, "/var/lib/fusekeeper",
               "where volume state that outlives the agent process is kept (host path, 0700)");
 DEFINE_int32(stats_timeout_ms, 5000,
              "NodeGetVolumeStats reports a volume abnormal if statfs takes longer than this");
+DEFINE_string(ephemeral_host_path_prefixes, "",
+              "comma-separated absolute paths below which unstaged (CSI inline ephemeral) "
+              "hostPath volumes may be mounted; empty refuses them all (pod authors choose "
+              "those paths)");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(shutdown_grace_ms, 10000,
@@ -124,8 +130,19 @@ int main(int argc, char** argv) {
     LOG(ERROR) << table_reader.status().message();
     return 3;
   }
+  std::vector<std::string> ephemeral_prefixes;
+  for (absl::string_view p : absl::StrSplit(FLAGS_ephemeral_host_path_prefixes, ',', absl::SkipEmpty())) {
+    std::string prefix(p);
+    while (prefix.size() > 1 && prefix.back() == '/') prefix.pop_back();
+    if (auto s = fusekeeper::ValidateHostPath(prefix); !s.ok()) {
+      LOG(ERROR) << "--ephemeral_host_path_prefixes: " << s.message();
+      return 2;
+    }
+    ephemeral_prefixes.push_back(prefix);
+  }
   fusekeeper::VolumeManager volumes(*loop, pool, *kubelet, *store, **table_reader,
-                                    {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms)});
+                                    {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms),
+                                     .ephemeral_host_path_prefixes = ephemeral_prefixes});
 
   utsname uts{};
   uname(&uts);

@@ -23,7 +23,7 @@ fail() { echo "DEMO FAILED: $*" >&2; exit 1; }
 mkdir -p "$kubelet/pods" "$kubelet/plugins" "$work/host/data"
 
 "$agent" --endpoint="unix://$sock" --node_id="$(hostname)" --kubelet_dir="$kubelet" \
-  --state_dir="$work/state" 2>"$work/agent.log" &
+  --state_dir="$work/state" --ephemeral_host_path_prefixes="$work/host" 2>"$work/agent.log" &
 pid=$!
 cleanup() { kill "$pid" 2>/dev/null || true; cp "$work/agent.log" /tmp/fusekeeper-demo-agent.log 2>/dev/null || true; }
 trap cleanup EXIT

@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <limits.h>
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "agent/base/status.h"
+#include "agent/base/unique_fd.h"
 
 namespace fusekeeper {
 namespace {
@@ -22,6 +24,32 @@ const char* Describe(mode_t mode) {
     case S_IFLNK: return "a symlink";
     default: return "an unknown file type";
   }
+}
+
+// mkdir -p that never follows a symlink: each component is created relative to its parent's fd
+// and opened O_NOFOLLOW.
+absl::Status MakeDirsNoFollow(const std::string& path, bool include_last) {
+  UniqueFd dir(open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dir) return ErrnoStatus(errno, "open", "/");
+  std::vector<std::string> parts = absl::StrSplit(path.substr(1), '/');
+  std::string cur;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i + 1 == parts.size() && !include_last) break;
+    cur += "/" + parts[i];
+    if (mkdirat(dir.get(), parts[i].c_str(), 0755) != 0 && errno != EEXIST) {
+      return ErrnoStatus(errno, "creating directory", cur);
+    }
+    int next = openat(dir.get(), parts[i].c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (next < 0) {
+      if (errno == ELOOP || errno == ENOTDIR) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(cur, " is a symlink or not a directory; not following it"));
+      }
+      return ErrnoStatus(errno, "open", cur);
+    }
+    dir.Reset(next);
+  }
+  return absl::OkStatus();
 }
 
 // mkdir -p for the parents of path (and path itself if include_last), mode 0755.
@@ -90,12 +118,28 @@ absl::Status ValidateHostPath(absl::string_view path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, HostPathType type) {
+bool IsAtOrBelow(absl::string_view path, absl::string_view prefix) {
+  if (prefix == "/") return true;
+  if (path.substr(0, prefix.size()) != prefix) return false;
+  return path.size() == prefix.size() || path[prefix.size()] == '/';
+}
+
+absl::StatusOr<std::string> RealPathOfFd(int fd) {
+  char buf[PATH_MAX + 1];
+  const std::string link = absl::StrCat("/proc/self/fd/", fd);
+  ssize_t n = readlink(link.c_str(), buf, PATH_MAX);
+  if (n < 0) return ErrnoStatus(errno, "readlink", link);
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, HostPathType type,
+                                                    bool untrusted) {
   if (auto s = ValidateHostPath(path); !s.ok()) return s;
+  auto make_dirs = untrusted ? MakeDirsNoFollow : MakeDirs;
   if (type == HostPathType::kDirectoryOrCreate) {
-    if (auto s = MakeDirs(path, /*include_last=*/true); !s.ok()) return s;
+    if (auto s = make_dirs(path, /*include_last=*/true); !s.ok()) return s;
   } else if (type == HostPathType::kFileOrCreate) {
-    if (auto s = MakeDirs(path, /*include_last=*/false); !s.ok()) return s;
+    if (auto s = make_dirs(path, /*include_last=*/false); !s.ok()) return s;
     int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd >= 0) {
       close(fd);

@@ -37,7 +37,16 @@ struct OpenedHostPath {
 // Blocking. For ...OrCreate types creates what is missing first (directories 0755, the file 0644,
 // as kubelet does), then opens and checks. A wrong type → FAILED_PRECONDITION saying what was
 // expected and what was found; a final-component symlink is refused (give the real path);
-// a missing path → NOT_FOUND.
-absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, HostPathType type);
+// a missing path → NOT_FOUND. With `untrusted` (a path a pod author chose), creation follows no
+// symlink in any component either.
+absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, HostPathType type,
+                                                    bool untrusted = false);
+
+// Pure: whether `path` is `prefix` or below it (component-wise; both normalised absolute paths).
+bool IsAtOrBelow(absl::string_view path, absl::string_view prefix);
+
+// Blocking: the real path of an open fd (via /proc/self/fd), for checking where an opened object
+// actually is.
+absl::StatusOr<std::string> RealPathOfFd(int fd);
 
 }  // namespace fusekeeper

@@ -101,7 +101,7 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
       store_(store),
       table_reader_(table_reader),
       options_(options),
-      ctx_{&kubelet, &store} {}
+      ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes} {}
 
 void VolumeManager::Start(Done done) {
   struct Loaded {
@@ -325,6 +325,14 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     auto parsed = ParseContext(req.volume_context());
     if (!parsed.ok()) return done(parsed.status());
     spec = *parsed;
+    // Unstaged host-path volumes are chosen by pod authors (CSI inline volumes), not by the
+    // administrator who creates PersistentVolumes: only allowed below configured prefixes.
+    if (!EphemeralHostPathAllowed(ctx_, spec.path)) {
+      return done(absl::PermissionDeniedError(absl::StrCat(
+          "unstaged (ephemeral inline) hostPath volumes may only use paths below "
+          "--ephemeral_host_path_prefixes", ctx_.ephemeral_host_path_prefixes.empty() ? " (none set)" : "",
+          "; ", spec.path, " is not")));
+    }
     if (it != volumes_.end() && !it->second.staging_path().empty()) {
       return done(absl::FailedPreconditionError(absl::StrCat(
           "volume ", id, " is staged at ", it->second.staging_path(),

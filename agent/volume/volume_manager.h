@@ -28,6 +28,8 @@ namespace fusekeeper {
 struct VolumeManagerOptions {
   // NodeGetVolumeStats answers `abnormal` if statfs has not returned by then.
   absl::Duration stats_timeout = absl::Seconds(5);
+  // See VolumeOpsContext::ephemeral_host_path_prefixes.
+  std::vector<std::string> ephemeral_host_path_prefixes;
 };
 
 class VolumeManager {

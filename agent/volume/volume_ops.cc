@@ -139,6 +139,13 @@ void RemoveMountPointBlocking(const VolumeOpsContext& ctx, const std::string& re
 
 }  // namespace
 
+bool EphemeralHostPathAllowed(const VolumeOpsContext& ctx, const std::string& path) {
+  for (const std::string& prefix : ctx.ephemeral_host_path_prefixes) {
+    if (IsAtOrBelow(path, prefix)) return true;
+  }
+  return false;
+}
+
 bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::MountIdentity& id) {
   if (!facts.has_value()) return false;
   if (facts->dev_major != id.dev_major() || facts->dev_minor != id.dev_minor() ||
@@ -227,8 +234,16 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   } else {
     auto type = ParseHostPathType(v.host_path_type());
     if (!type.ok()) return type.status();
-    auto opened = OpenHostPathBlocking(v.host_path(), *type);
+    auto opened = OpenHostPathBlocking(v.host_path(), *type, /*untrusted=*/true);
     if (!opened.ok()) return opened.status();
+    // The check that matters is on what was opened: symlinks cannot lead it elsewhere.
+    auto real = RealPathOfFd(opened->fd.get());
+    if (!real.ok()) return real.status();
+    if (!EphemeralHostPathAllowed(ctx, *real)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "hostPath ", v.host_path(), " resolves to ", *real,
+          ", which is not below --ephemeral_host_path_prefixes"));
+    }
     struct stat st;
     if (fstat(opened->fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", v.host_path());
     v.set_is_directory(opened->is_directory);

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "agent/mount/mount_ops.h"
@@ -19,7 +20,13 @@ namespace fusekeeper {
 struct VolumeOpsContext {
   const KubeletDir* kubelet;
   const StateStore* store;
+  // Where unstaged (ephemeral inline) host-path volumes may come from; empty: nowhere. A pod
+  // author chooses those paths, so the opened object's real path must be below one of these.
+  std::vector<std::string> ephemeral_host_path_prefixes;
 };
+
+// Whether an unstaged host-path volume may come from `path` (see ephemeral_host_path_prefixes).
+bool EphemeralHostPathAllowed(const VolumeOpsContext& ctx, const std::string& path);
 
 // Whether `facts` (what is mounted at a path) is the mount `id` describes.
 bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::MountIdentity& id);

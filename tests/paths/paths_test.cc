@@ -56,6 +56,14 @@ TEST(HostPathTest, ParseTypes) {
   EXPECT_EQ(ParseHostPathType("directory").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(HostPathTest, IsAtOrBelowMatchesWholeComponents) {
+  EXPECT_TRUE(IsAtOrBelow("/data", "/data"));
+  EXPECT_TRUE(IsAtOrBelow("/data/x/y", "/data"));
+  EXPECT_FALSE(IsAtOrBelow("/database", "/data"));
+  EXPECT_FALSE(IsAtOrBelow("/dat", "/data"));
+  EXPECT_TRUE(IsAtOrBelow("/anything", "/"));
+}
+
 TEST(HostPathTest, RejectsDotDotAndRelativePaths) {
   EXPECT_EQ(ValidateHostPath("/data/../etc").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ValidateHostPath("data").code(), absl::StatusCode::kInvalidArgument);

@@ -45,12 +45,12 @@ class VolumeE2ETest : public ::testing::Test {
   }
   void TearDown() override { StopAgent(); }
 
-  void StartAgent(std::vector<std::string> env = {}) {
-    agent_ = std::make_unique<Subprocess>(
-        std::vector<std::string>{RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + sock_,
-                                 "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + state_,
-                                 "--stats_timeout_ms=3000"},
-        env);
+  void StartAgent(std::vector<std::string> env = {}, bool allow_ephemeral = true) {
+    std::vector<std::string> cmd = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + sock_,
+                                    "--node_id=n", "--kubelet_dir=" + kubelet_,
+                                    "--state_dir=" + state_, "--stats_timeout_ms=3000"};
+    if (allow_ephemeral) cmd.push_back("--ephemeral_host_path_prefixes=" + host_.path() + "/types");
+    agent_ = std::make_unique<Subprocess>(cmd, env);
     channel_ = DialUnixSocket(sock_);
     ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline))
         << agent_->Stderr();
@@ -350,6 +350,44 @@ TEST_F(VolumeE2ETest, EveryHostPathTypeIncludingSocketsAndDevices) {
   EXPECT_EQ(Publish("wrong", "", target, false, dir, "Bogus").error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_EQ(MountCountAt(target), 0);
   close(s);
+}
+
+// Unstaged hostPath volumes are chosen by pod authors: only below --ephemeral_host_path_prefixes,
+// judged on the real path of what was opened.
+TEST_F(VolumeE2ETest, EphemeralHostPathsAreConfinedToTheAllowedPrefixes) {
+  const std::string allowed = HostDir("types");
+  const std::string outside = HostDir("secret");
+  { std::ofstream(outside + "/key") << "secret"; }
+  const std::string target = Target("p", "e");
+  grpc::Status s = Publish("e", "", target, false, outside, "Directory");
+  EXPECT_EQ(s.error_code(), grpc::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("--ephemeral_host_path_prefixes"), std::string::npos);
+  // A symlink inside the allowed tree that leads out of it.
+  fs::create_directory_symlink(outside, allowed + "/escape");
+  fs::create_directories(allowed + "/dir");
+  s = Publish("e", "", target, false, allowed + "/escape/../dir", "Directory");
+  EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << "'..' is refused outright";
+  fs::create_directory_symlink(outside, allowed + "/sub");
+  fs::create_directories(outside + "/inner");
+  s = Publish("e", "", target, false, allowed + "/sub/inner", "Directory");
+  EXPECT_EQ(s.error_code(), grpc::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("resolves to " + outside + "/inner"), std::string::npos)
+      << s.error_message();
+  // ...OrCreate does not create through a symlinked component.
+  s = Publish("e", "", target, false, allowed + "/sub/made-by-pod", "DirectoryOrCreate");
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_FALSE(fs::exists(outside + "/made-by-pod"));
+  EXPECT_EQ(MountCountAt(target), 0);
+  // Staged volumes (PersistentVolumes, made by an administrator) may use any host path.
+  ASSERT_RPC_OK(Stage("pv", Staging("pv"), outside));
+  ASSERT_RPC_OK(Unstage("pv", Staging("pv")));
+  // With no prefixes configured, no unstaged hostPath volume is accepted.
+  StopAgent();
+  StartAgent({}, /*allow_ephemeral=*/false);
+  fs::create_directories(allowed + "/ok");
+  s = Publish("e", "", target, false, allowed + "/ok", "Directory");
+  EXPECT_EQ(s.error_code(), grpc::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("(none set)"), std::string::npos);
 }
 
 TEST_F(VolumeE2ETest, AgentRestartKeepsEverythingIdempotent) {
