@@ -267,6 +267,23 @@ void BM_ProbeRoundTrip(benchmark::State& state) {
 }
 BENCHMARK(BM_ProbeRoundTrip)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
+// Probe's path plus one loop -> pool -> loop crossing (statfs on the pool): the crossing's cost.
+void BM_StatsRoundTrip(benchmark::State& state) {
+  Agent& a = TheAgent();
+  const std::string staging = StagedVolume("bench");
+  auto stub = csi::v1::Node::NewStub(a.channel);
+  csi::v1::NodeGetVolumeStatsRequest r;
+  r.set_volume_id("bench");
+  r.set_volume_path(staging);
+  for (auto _ : state) {
+    grpc::ClientContext c;
+    csi::v1::NodeGetVolumeStatsResponse resp;
+    grpc::Status s = stub->NodeGetVolumeStats(&c, r, &resp);
+    CHECK(s.ok() && !resp.volume_condition().abnormal()) << s.error_message();
+  }
+}
+BENCHMARK(BM_StatsRoundTrip)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
 // The blocking halves alone (what the pool threads run per pair): no gRPC, no loop, no hops.
 void BM_PublishUnpublishBlocking(benchmark::State& state) {
   Agent& a = TheAgent();

@@ -11,10 +11,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 RpcCall::RpcCall(RpcDispatcher* dispatcher, grpc::ServerUnaryReactor* reactor,
-                 google::protobuf::Message* response, const char* method, bool quiet)
+                 google::protobuf::Message* response, const char* method, bool quiet,
+                 std::string request_text)
     : dispatcher_(dispatcher),
       method_(method),
       quiet_(quiet),
+      request_text_(std::move(request_text)),
       start_(absl::Now()),
       reactor_(reactor),
       response_(response) {}
@@ -26,12 +28,13 @@ bool RpcCall::Finish(const absl::Status& status, const google::protobuf::Message
     if (status.ok() && body != nullptr) response_->CopyFrom(*body);
     const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start_);
     if (!status.ok()) {
-      LOG(WARNING) << method_ << " -> " << absl::StatusCodeToString(status.code()) << ": "
-                   << status.message() << " (" << micros << "us)";
+      LOG(WARNING) << method_ << " " << request_text_ << " -> "
+                   << absl::StatusCodeToString(status.code()) << ": " << status.message() << " ("
+                   << micros << "us)";
     } else if (quiet_) {
       VLOG(2) << method_ << " -> OK (" << micros << "us)";
     } else {
-      LOG(INFO) << method_ << " -> OK (" << micros << "us)";
+      LOG(INFO) << method_ << " " << request_text_ << " -> OK (" << micros << "us)";
     }
     std::exchange(reactor_, nullptr)->Finish(ToGrpcStatus(status));
     response_ = nullptr;

@@ -35,8 +35,10 @@ class RpcDispatcher;
 // One RPC between Dispatch and its single Finish. Thread-safe.
 class RpcCall {
  public:
+  // `request_text` (redacted) is logged with the outcome; empty for quiet RPCs.
   RpcCall(RpcDispatcher* dispatcher, grpc::ServerUnaryReactor* reactor,
-          google::protobuf::Message* response, const char* method, bool quiet);
+          google::protobuf::Message* response, const char* method, bool quiet,
+          std::string request_text);
   // Finishes the call unless it already was; copies body (if any and status is OK) into the
   // response first. Returns false if the call had already been finished.
   bool Finish(const absl::Status& status, const google::protobuf::Message* body);
@@ -45,6 +47,7 @@ class RpcCall {
   RpcDispatcher* const dispatcher_;
   const char* const method_;
   const bool quiet_;
+  const std::string request_text_;
   const absl::Time start_;
   absl::Mutex mu_;
   grpc::ServerUnaryReactor* reactor_ ABSL_GUARDED_BY(mu_);
@@ -86,19 +89,23 @@ class RpcDispatcher {
   // Any thread. Finishes every call still in flight with UNAVAILABLE; returns how many.
   int AbandonInFlight();
 
-  // gRPC thread. `quiet` RPCs (Probe, GetPluginInfo...: polled by sidecars) log at VLOG(2) only.
-  // handler runs on the loop thread and must answer through the Responder (or hand it on).
+  // gRPC thread. Every RPC is logged once, when it finishes, with its redacted request, result
+  // and latency (VLOG(1) also logs it when it starts). `quiet` RPCs (Probe, GetPluginInfo...:
+  // polled by sidecars) log at VLOG(2) only. handler runs on the loop thread and must answer
+  // through the Responder (or hand it on).
   template <typename Req>
   grpc::ServerUnaryReactor* Dispatch(grpc::CallbackServerContext* ctx, const char* method,
                                      bool quiet, const Req& req, google::protobuf::Message* resp,
                                      absl::AnyInvocable<void(Responder)> handler) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    std::string request_text;
     if (quiet) {
       VLOG(2) << method << " " << RedactedDebugString(req);
     } else {
-      LOG(INFO) << method << " " << RedactedDebugString(req);
+      request_text = RedactedDebugString(req);
+      VLOG(1) << method << " " << request_text << " started";
     }
-    auto call = std::make_shared<RpcCall>(this, reactor, resp, method, quiet);
+    auto call = std::make_shared<RpcCall>(this, reactor, resp, method, quiet, std::move(request_text));
     if (draining()) {
       call->Finish(absl::UnavailableError("fusekeeper is shutting down"), nullptr);
       return reactor;
