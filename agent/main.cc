@@ -26,6 +26,7 @@
 #include "agent/loop/signals.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/host_path.h"
+#include "agent/sys/syscalls.h"
 #include "agent/paths/kubelet_dir.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_manager.h"
@@ -150,9 +151,13 @@ int main(int argc, char** argv) {
   server_options.endpoint = FLAGS_endpoint;
   server_options.identity.driver_name = FLAGS_driver_name;
   server_options.identity.vendor_version = fusekeeper::kVersion;
+  const bool statmount = fusekeeper::sys::HaveStatmount();
+  LOG(INFO) << "mount lookups use "
+            << (statmount ? "statmount (Linux 6.8+)" : "/proc/self/mountinfo (no statmount)");
   server_options.identity.manifest = {
       {"kernel", uts.release},
-      {"io_uring", loop->uses_defer_taskrun() ? "single_issuer+defer_taskrun" : "plain"}};
+      {"io_uring", loop->uses_defer_taskrun() ? "single_issuer+defer_taskrun" : "plain"},
+      {"mount_lookup", statmount ? "statmount" : "mountinfo"}};
   server_options.identity.ready = [&volumes] { return volumes.ready(); };
   server_options.node.node_id = node_id;
   auto server_or = fusekeeper::CsiServer::Start(*loop, std::move(server_options), &volumes);

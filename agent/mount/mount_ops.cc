@@ -59,6 +59,19 @@ absl::Status UnmountAtBlocking(int parent_fd, const std::string& name, const std
   return ErrnoStatus(errno, "umount(MNT_DETACH)", path);
 }
 
+absl::Status SetReadOnlyFdBlocking(int fd, bool read_only, const std::string& path) {
+  mount_attr attr{};
+  if (read_only) {
+    attr.attr_set = MOUNT_ATTR_RDONLY;
+  } else {
+    attr.attr_clr = MOUNT_ATTR_RDONLY;
+  }
+  if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) != 0) {
+    return ErrnoStatus(errno, read_only ? "remount read-only" : "remount read-write", path);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SetPropagationFdBlocking(int fd, uint64_t propagation, const std::string& path) {
   mount_attr attr{};
   attr.propagation = propagation;

@@ -36,6 +36,9 @@ absl::Status BindMountFdBlocking(int source_fd, int target_fd, const BindOptions
 absl::Status UnmountAtBlocking(int parent_fd, const std::string& name, const std::string& path,
                                int busy_retries = 2);
 
+// Remounts the mount at fd read-only (or read-write), in place.
+absl::Status SetReadOnlyFdBlocking(int fd, bool read_only, const std::string& path);
+
 // Sets propagation (MS_SHARED, MS_PRIVATE, MS_SLAVE or MS_UNBINDABLE) of the mount at fd.
 absl::Status SetPropagationFdBlocking(int fd, uint64_t propagation, const std::string& path);
 

@@ -89,6 +89,21 @@ TEST(MountOpsTest, UnmountNeverFollowsASymlink) {
   umount2(real.c_str(), MNT_DETACH);
 }
 
+TEST(MountOpsTest, RemountReadOnlyAndBack) {
+  TmpfsDir t;
+  const std::string dst = t.path() + "/dst";
+  ASSERT_EQ(mkdir(dst.c_str(), 0755), 0);
+  ASSERT_EQ(mount("tmpfs", dst.c_str(), "tmpfs", 0, nullptr), 0);
+  UniqueFd fd = OpenPath(dst);
+  ASSERT_TRUE(SetReadOnlyFdBlocking(fd.get(), true, dst).ok());
+  EXPECT_TRUE(ReadMountTable().FindTop(dst)->read_only());
+  EXPECT_LT(open((dst + "/f").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644), 0);
+  ASSERT_TRUE(SetReadOnlyFdBlocking(fd.get(), false, dst).ok());
+  EXPECT_FALSE(ReadMountTable().FindTop(dst)->read_only());
+  fd.Reset();
+  umount2(dst.c_str(), MNT_DETACH);
+}
+
 TEST(MountOpsTest, PropagationChanges) {
   TmpfsDir t;
   const std::string dst = t.path() + "/dst";
