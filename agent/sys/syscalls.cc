@@ -62,7 +62,11 @@ int OpenAt2(int dirfd, const char* path, uint64_t flags, uint64_t mode, uint64_t
 
 int StatxUniqueMountId(int dirfd, const char* path, uint64_t* mnt_id) {
   struct statx stx{};
-  int flags = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | (path[0] == '\0' ? AT_EMPTY_PATH : 0);
+  // AT_STATX_DONT_SYNC: a FUSE file system then answers from its cache instead of asking its
+  // server, so this never blocks on a FUSE mount whose server is dead or not started yet. The
+  // mount id and device come from the VFS, not the file system.
+  int flags = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | AT_STATX_DONT_SYNC |
+              (path[0] == '\0' ? AT_EMPTY_PATH : 0);
   if (statx(dirfd, path, flags, kStatxMntIdUnique, &stx) != 0) return -1;
   if ((stx.stx_mask & kStatxMntIdUnique) == 0) {
     errno = EOPNOTSUPP;

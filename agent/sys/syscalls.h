@@ -34,7 +34,8 @@ bool HaveStatmount();
 int StatMount(uint64_t mnt_id, MountFacts* out);
 
 // The unique id of the mount `path` (relative to dirfd) lives on, without following a final
-// symlink. For a mount point this is the mount at that point. -1/errno on failure.
+// symlink. For a mount point this is the mount at that point. Never asks a FUSE server
+// (AT_STATX_DONT_SYNC). -1/errno on failure.
 int StatxUniqueMountId(int dirfd, const char* path, uint64_t* mnt_id);
 
 }  // namespace fusekeeper::sys
