@@ -1,0 +1,241 @@
+#include "agent/fuse/handoff_protocol.h"
+
+#include <errno.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "agent/base/status.h"
+#include "simdjson.h"
+
+namespace fusekeeper {
+namespace {
+
+absl::Status Bad(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("handoff message: ", what));
+}
+
+// Length of a valid UTF-8 sequence starting at s[i], or 0 if invalid.
+size_t Utf8Len(absl::string_view s, size_t i) {
+  unsigned char c = static_cast<unsigned char>(s[i]);
+  size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return 0;
+  }
+  return n;
+}
+
+void AppendMap(std::string* out, const char* key, const std::map<std::string, std::string>& m) {
+  absl::StrAppend(out, ",\"", key, "\":{");
+  bool first = true;
+  for (const auto& [k, v] : m) {
+    absl::StrAppend(out, first ? "" : ",", JsonQuote(k), ":", JsonQuote(v));
+    first = false;
+  }
+  out->push_back('}');
+}
+
+absl::StatusOr<simdjson::dom::element> ParseObject(simdjson::dom::parser& parser, absl::string_view json) {
+  if (json.size() > kMaxHandoffMessageBytes) {
+    return Bad(absl::StrCat(json.size(), " bytes is more than the ", kMaxHandoffMessageBytes, " allowed"));
+  }
+  simdjson::dom::element doc;
+  auto error = parser.parse(json.data(), json.size()).get(doc);
+  if (error) return Bad(absl::StrCat("not valid JSON (", simdjson::error_message(error), ")"));
+  if (!doc.is_object()) return Bad("not a JSON object");
+  int64_t version = 0;
+  if (doc["version"].get_int64().get(version)) return Bad("\"version\" missing or not an integer");
+  if (version != kHandoffProtocolVersion) {
+    return Bad(absl::StrCat("protocol version ", version, " is not supported (this side speaks ",
+                            kHandoffProtocolVersion, ")"));
+  }
+  return doc;
+}
+
+absl::Status ReadStringMap(simdjson::dom::element doc, const char* key,
+                           std::map<std::string, std::string>* out) {
+  simdjson::dom::element e;
+  if (doc[key].get(e)) return absl::OkStatus();  // optional
+  simdjson::dom::object obj;
+  if (e.get_object().get(obj)) return Bad(absl::StrCat("\"", key, "\" is not an object"));
+  for (auto field : obj) {
+    std::string_view v;
+    if (field.value.get_string().get(v)) {
+      return Bad(absl::StrCat("\"", key, "\" value for \"", std::string(field.key), "\" is not a string"));
+    }
+    (*out)[std::string(field.key)] = std::string(v);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string JsonQuote(absl::string_view s) {
+  std::string out = "\"";
+  for (size_t i = 0; i < s.size();) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(static_cast<char>(c));
+      ++i;
+    } else if (c < 0x20) {
+      char buf[8];
+      snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+      ++i;
+    } else if (size_t n = Utf8Len(s, i); n > 0) {
+      out.append(s.data() + i, n);
+      i += n;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+std::string EncodeMountConfig(const MountConfig& c) {
+  std::string out = absl::StrCat("{\"version\":", c.version, ",\"volume_id\":", JsonQuote(c.volume_id),
+                                 ",\"read_only\":", c.read_only ? "true" : "false", ",\"uid\":", c.uid,
+                                 ",\"gid\":", c.gid);
+  if (c.mount_group) absl::StrAppend(&out, ",\"mount_group\":", *c.mount_group);
+  out += ",\"mount_options\":[";
+  for (size_t i = 0; i < c.mount_options.size(); ++i) {
+    absl::StrAppend(&out, i ? "," : "", JsonQuote(c.mount_options[i]));
+  }
+  out += "]";
+  AppendMap(&out, "volume_context", c.volume_context);
+  AppendMap(&out, "secrets", c.secrets);
+  out += "}";
+  return out;
+}
+
+absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json) {
+  simdjson::dom::parser parser;
+  auto doc = ParseObject(parser, json);
+  if (!doc.ok()) return doc.status();
+  MountConfig c;
+  std::string_view id;
+  if ((*doc)["volume_id"].get_string().get(id) || id.empty()) {
+    return Bad("\"volume_id\" missing or not a non-empty string");
+  }
+  c.volume_id = std::string(id);
+  simdjson::dom::element e;
+  if (!(*doc)["read_only"].get(e)) {
+    if (e.get_bool().get(c.read_only)) return Bad("\"read_only\" is not a boolean");
+  }
+  for (auto [key, dst] : {std::pair<const char*, uint32_t*>{"uid", &c.uid}, {"gid", &c.gid}}) {
+    if ((*doc)[key].get(e)) continue;
+    uint64_t v;
+    if (e.get_uint64().get(v) || v > UINT32_MAX) return Bad(absl::StrCat("\"", key, "\" is not a 32-bit unsigned integer"));
+    *dst = static_cast<uint32_t>(v);
+  }
+  if (!(*doc)["mount_group"].get(e)) {
+    uint64_t v;
+    if (e.get_uint64().get(v) || v > UINT32_MAX) return Bad("\"mount_group\" is not a 32-bit unsigned integer");
+    c.mount_group = static_cast<uint32_t>(v);
+  }
+  if (!(*doc)["mount_options"].get(e)) {
+    simdjson::dom::array arr;
+    if (e.get_array().get(arr)) return Bad("\"mount_options\" is not an array");
+    for (auto item : arr) {
+      std::string_view v;
+      if (item.get_string().get(v)) return Bad("\"mount_options\" holds a non-string");
+      c.mount_options.emplace_back(v);
+    }
+  }
+  if (auto s = ReadStringMap(*doc, "volume_context", &c.volume_context); !s.ok()) return s;
+  if (auto s = ReadStringMap(*doc, "secrets", &c.secrets); !s.ok()) return s;
+  return c;
+}
+
+std::string EncodeHandoffReply(const HandoffReply& r) {
+  std::string out = absl::StrCat("{\"version\":", r.version, ",\"ok\":", r.ok ? "true" : "false");
+  if (!r.error.empty()) absl::StrAppend(&out, ",\"error\":", JsonQuote(r.error));
+  if (!r.server.empty()) absl::StrAppend(&out, ",\"server\":", JsonQuote(r.server));
+  out += "}";
+  return out;
+}
+
+absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
+  simdjson::dom::parser parser;
+  auto doc = ParseObject(parser, json);
+  if (!doc.ok()) return doc.status();
+  HandoffReply r;
+  if ((*doc)["ok"].get_bool().get(r.ok)) return Bad("\"ok\" missing or not a boolean");
+  std::string_view v;
+  if (!(*doc)["error"].get_string().get(v)) r.error = std::string(v);
+  if (!(*doc)["server"].get_string().get(v)) r.server = std::string(v);
+  if (!r.ok && r.error.empty()) r.error = "the server refused the volume without saying why";
+  return r;
+}
+
+absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd) {
+  if (payload.size() > kMaxHandoffMessageBytes) return Bad("payload too large to send");
+  iovec iov{const_cast<char*>(payload.data()), payload.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  }
+  ssize_t n;
+  do {
+    n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoStatus(errno, "sending handoff message");
+  if (static_cast<size_t>(n) != payload.size()) return absl::InternalError("short handoff send");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock) {
+  std::string buf(kMaxHandoffMessageBytes + 1, '\0');
+  iovec iov{buf.data(), buf.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoStatus(errno, "receiving handoff message");
+  // Take ownership of every fd first, so that nothing leaks whatever is wrong below.
+  std::vector<UniqueFd> fds;
+  bool other_control = false;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(fd);
+      }
+    } else {
+      other_control = true;
+    }
+  }
+  if (n == 0 && fds.empty()) return absl::UnavailableError("the peer closed the handoff socket");
+  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return Bad("message or its control data was truncated");
+  if (other_control) return Bad("unexpected control data");
+  if (fds.size() > 1) return Bad(absl::StrCat(fds.size(), " file descriptors attached; expected at most 1"));
+  ReceivedMessage out;
+  out.payload.assign(buf.data(), static_cast<size_t>(n));
+  if (!fds.empty()) out.fd = std::move(fds[0]);
+  return out;
+}
+
+}  // namespace fusekeeper

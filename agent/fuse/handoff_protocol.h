@@ -1,0 +1,75 @@
+// The fd handoff protocol between the agent and a FUSE server, version 1.
+//
+// Transport: a Unix SOCK_SEQPACKET socket the agent listens on. The server connects; the agent
+// sends ONE message: the JSON MountConfig below, with the /dev/fuse fd attached as SCM_RIGHTS.
+// The server answers with ONE message: the JSON HandoffReply. Message boundaries are kept by the
+// socket type, so no framing is needed; each message is at most kMaxHandoffMessageBytes.
+//
+//   agent → server  {"version":1,"volume_id":"v","read_only":false,"uid":0,"gid":0,
+//                    "mount_group":1000,"mount_options":["..."],"volume_context":{"k":"v"},
+//                    "secrets":{}}                                  + SCM_RIGHTS [fuse fd]
+//   server → agent  {"version":1,"ok":true,"server":"fkserve 0.1.0"}
+//                or {"version":1,"ok":false,"error":"what went wrong"}
+//
+// Unknown fields are ignored (forward compatible); a different major version is refused. Secrets
+// travel only for volumes that ask for them (volume_context "fusekeeper.io/pass-secrets":"true").
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "agent/base/unique_fd.h"
+
+namespace fusekeeper {
+
+inline constexpr int kHandoffProtocolVersion = 1;
+inline constexpr size_t kMaxHandoffMessageBytes = 64 * 1024;
+
+struct MountConfig {
+  int version = kHandoffProtocolVersion;
+  std::string volume_id;
+  bool read_only = false;
+  uint32_t uid = 0;                    // owner the server presents files as
+  uint32_t gid = 0;
+  std::optional<uint32_t> mount_group; // the pod's fsGroup (VOLUME_MOUNT_GROUP)
+  std::vector<std::string> mount_options;
+  std::map<std::string, std::string> volume_context;
+  std::map<std::string, std::string> secrets;
+};
+
+struct HandoffReply {
+  int version = kHandoffProtocolVersion;
+  bool ok = false;
+  std::string error;   // when !ok
+  std::string server;  // free-form name/version of the server
+};
+
+std::string EncodeMountConfig(const MountConfig& config);
+// Strict: INVALID_ARGUMENT naming the problem for malformed JSON, wrong types, a missing
+// volume_id, another protocol version, or oversize input. Never crashes on any input.
+absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json);
+
+std::string EncodeHandoffReply(const HandoffReply& reply);
+absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json);
+
+// JSON string literal (with quotes) for any bytes; invalid UTF-8 is replaced by U+FFFD.
+std::string JsonQuote(absl::string_view s);
+
+struct ReceivedMessage {
+  std::string payload;
+  UniqueFd fd;  // invalid if none was attached
+};
+
+// Blocking (server side, tests). Sends one message, with `fd` attached if >= 0.
+absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd);
+// Blocking. Receives one message. The fd (if any) arrives close-on-exec. More than one fd, other
+// control data, or a truncated message → INVALID_ARGUMENT (and every received fd is closed).
+// Peer closed → UNAVAILABLE.
+absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock);
+
+}  // namespace fusekeeper
