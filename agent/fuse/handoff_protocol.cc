@@ -114,12 +114,20 @@ std::string EncodeMountConfig(const MountConfig& c) {
   return out;
 }
 
+std::string EncodeHandoffRefusal(absl::string_view error) {
+  return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"error\":", JsonQuote(error), "}");
+}
+
 absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json) {
   simdjson::dom::parser parser;
   auto doc = ParseObject(parser, json);
   if (!doc.ok()) return doc.status();
   MountConfig c;
   std::string_view id;
+  std::string_view refusal;
+  if (!(*doc)["error"].get_string().get(refusal)) {
+    return absl::FailedPreconditionError(absl::StrCat("the agent refused the handoff: ", std::string(refusal)));
+  }
   if ((*doc)["volume_id"].get_string().get(id) || id.empty()) {
     return Bad("\"volume_id\" missing or not a non-empty string");
   }

@@ -11,6 +11,10 @@
 //   server → agent  {"version":1,"ok":true,"server":"fkserve 0.1.0"}
 //                or {"version":1,"ok":false,"error":"what went wrong"}
 //
+// Instead of a config, the agent may send a refusal, {"version":1,"error":"why"} with no fd (e.g.
+// the volume is already served by another connection); DecodeMountConfig reports it as
+// FAILED_PRECONDITION with the agent's words.
+//
 // Unknown fields are ignored (forward compatible); a different major version is refused. Secrets
 // travel only for volumes that ask for them (volume_context "fusekeeper.io/pass-secrets":"true").
 #pragma once
@@ -50,6 +54,7 @@ struct HandoffReply {
 };
 
 std::string EncodeMountConfig(const MountConfig& config);
+std::string EncodeHandoffRefusal(absl::string_view error);
 // Strict: INVALID_ARGUMENT naming the problem for malformed JSON, wrong types, a missing
 // volume_id, another protocol version, or oversize input. Never crashes on any input.
 absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json);

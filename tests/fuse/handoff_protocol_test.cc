@@ -87,6 +87,12 @@ TEST(HandoffProtocolTest, RandomBytesNeverCrashTheDecoder) {
   }
 }
 
+TEST(HandoffProtocolTest, RefusalIsReportedWithTheAgentsWords) {
+  auto d = DecodeMountConfig(EncodeHandoffRefusal("volume v is already served"));
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(d.status().message().find("volume v is already served"), std::string::npos);
+}
+
 TEST(HandoffProtocolTest, ReplyRoundTrip) {
   auto ok = DecodeHandoffReply(EncodeHandoffReply({.ok = true, .server = "fkserve 0.1"}));
   ASSERT_TRUE(ok.ok());

@@ -1,0 +1,269 @@
+#include "agent/fuse/handoff_endpoint.h"
+
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "agent/base/status.h"
+#include "glog/logging.h"
+
+namespace fusekeeper {
+
+// Everything one connection's ring operations point at, kept alive until they all complete.
+struct HandoffEndpoint::Connection {
+  UniqueFd fd;
+  pid_t peer_pid = 0;
+  std::string out;
+  iovec out_iov{};
+  msghdr out_msg{};
+  alignas(cmsghdr) char out_control[CMSG_SPACE(sizeof(int))];
+  std::string in;
+  iovec in_iov{};
+  msghdr in_msg{};
+  alignas(cmsghdr) char in_control[CMSG_SPACE(sizeof(int) * 4)];
+  Completion send;
+  Completion recv;
+  TimerId timer = 0;
+  bool refused = false;
+  bool finished = false;
+};
+
+absl::StatusOr<UniqueFd> HandoffEndpoint::ListenBlocking(int dir_fd, const std::string& name,
+                                                        uid_t owner_uid, gid_t owner_gid) {
+  if (name.empty() || name.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("handoff socket name '", name, "' is not a plain name"));
+  }
+  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!sock) return ErrnoStatus(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
+  const std::string via = absl::StrCat("/proc/self/fd/", dir_fd, "/", name);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (via.size() >= sizeof(addr.sun_path)) return absl::InvalidArgumentError("handoff socket name too long");
+  std::memcpy(addr.sun_path, via.data(), via.size());
+  // A socket file left by an earlier agent is ours to replace; anything else is refused.
+  struct stat st;
+  if (fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "handoff socket path ", name, " exists and is not a socket; refusing to replace it"));
+    }
+    if (unlinkat(dir_fd, name.c_str(), 0) != 0) return ErrnoStatus(errno, "removing old handoff socket", name);
+  }
+  // Created 0600 from its first instant (fchmod on a socket fd does not change the file).
+  const mode_t old = umask(0177);
+  int r = bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  umask(old);
+  if (r != 0) return ErrnoStatus(errno, "bind handoff socket", name);
+  if (fchownat(dir_fd, name.c_str(), owner_uid, owner_gid, AT_SYMLINK_NOFOLLOW) != 0) {
+    return ErrnoStatus(errno, "chown handoff socket", name);
+  }
+  if (listen(sock.get(), 8) != 0) return ErrnoStatus(errno, "listen on handoff socket", name);
+  return sock;
+}
+
+std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd listen_fd,
+                                                        UniqueFd fuse_fd, MountConfig config,
+                                                        HandoffOptions options, Events events) {
+  std::shared_ptr<HandoffEndpoint> e(new HandoffEndpoint(loop, std::move(listen_fd), std::move(fuse_fd),
+                                                         std::move(config), options, std::move(events)));
+  e->ArmAccept();
+  return e;
+}
+
+HandoffEndpoint::HandoffEndpoint(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config,
+                                 HandoffOptions options, Events events)
+    : loop_(loop),
+      listen_fd_(std::move(listen_fd)),
+      fuse_fd_(std::move(fuse_fd)),
+      config_(std::move(config)),
+      options_(options),
+      events_(std::move(events)) {}
+
+HandoffEndpoint::~HandoffEndpoint() = default;
+
+void HandoffEndpoint::Arm(io_uring_sqe* sqe, Completion* completion) {
+  if (in_flight_++ == 0) keep_alive_ = shared_from_this();
+  loop_.Arm(sqe, completion);
+}
+
+void HandoffEndpoint::Completed() { --in_flight_; }
+
+void HandoffEndpoint::ReleaseLater(std::unique_ptr<Connection> doomed) {
+  struct Grave {
+    std::unique_ptr<Connection> connection;
+    std::shared_ptr<HandoffEndpoint> self;
+  };
+  auto* grave = new Grave{std::move(doomed), in_flight_ == 0 ? std::move(keep_alive_) : nullptr};
+  // If the loop has already finished (process exit), the grave is left as it is.
+  loop_.Post([grave] { delete grave; });
+}
+
+void HandoffEndpoint::ArmAccept() {
+  accept_.callback = [this](int32_t res, bool) {
+    Completed();
+    if (res >= 0) {
+      if (stopped_) {
+        close(res);
+      } else {
+        OnAccepted(res);
+      }
+    } else if (res != -ECANCELED && res != -EINTR) {
+      LOG(WARNING) << "handoff accept for volume " << config_.volume_id << ": " << strerror(-res);
+    }
+    if (!stopped_ && res != -ECANCELED && loop_.running()) {
+      io_uring_sqe* sqe = loop_.GetSqe();
+      io_uring_prep_accept(sqe, listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+      Arm(sqe, &accept_);
+    }
+    if (in_flight_ == 0) ReleaseLater(nullptr);
+  };
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_accept(sqe, listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+  Arm(sqe, &accept_);
+}
+
+void HandoffEndpoint::Stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  loop_.Cancel(&accept_);
+  for (auto& c : connections_in_flight_) {
+    loop_.Cancel(&c->send);
+    loop_.Cancel(&c->recv);
+  }
+}
+
+void HandoffEndpoint::OnAccepted(int fd) {
+  connections_in_flight_.push_back(std::make_unique<Connection>());
+  Connection* c = connections_in_flight_.back().get();
+  c->fd.Reset(fd);
+  ++connections_;
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return Finish(c, ErrnoStatus(errno, "SO_PEERCRED on handoff connection"), std::nullopt);
+  }
+  c->peer_pid = cred.pid;
+  if (options_.peer_uid && cred.uid != 0 && cred.uid != *options_.peer_uid) {
+    return SendOffer(c, /*refuse=*/true,
+                     absl::StrCat("uid ", cred.uid, " may not serve volume ", config_.volume_id,
+                                  " (expected uid ", *options_.peer_uid, ")"));
+  }
+  if (served_) {
+    return SendOffer(c, /*refuse=*/true,
+                     absl::StrCat("volume ", config_.volume_id, " is already being served"));
+  }
+  SendOffer(c, /*refuse=*/false, "");
+}
+
+void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
+  c->refused = refuse;
+  c->out = refuse ? EncodeHandoffRefusal(why) : EncodeMountConfig(config_);
+  c->out_iov = {c->out.data(), c->out.size()};
+  c->out_msg.msg_iov = &c->out_iov;
+  c->out_msg.msg_iovlen = 1;
+  if (!refuse) {
+    c->out_msg.msg_control = c->out_control;
+    c->out_msg.msg_controllen = sizeof(c->out_control);
+    cmsghdr* cm = CMSG_FIRSTHDR(&c->out_msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    const int fd = fuse_fd_.get();
+    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  }
+  c->send.callback = [this, c, why](int32_t res, bool) {
+    Completed();
+    if (res < 0) return Finish(c, ErrnoStatus(-res, "sending the handoff to the server"), std::nullopt);
+    if (c->refused) return Finish(c, absl::PermissionDeniedError(why), std::nullopt);
+    if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+    AwaitReply(c);
+  };
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_sendmsg(sqe, c->fd.get(), &c->out_msg, MSG_NOSIGNAL);
+  Arm(sqe, &c->send);
+}
+
+void HandoffEndpoint::AwaitReply(Connection* c) {
+  c->in.assign(kMaxHandoffMessageBytes + 1, '\0');
+  c->in_iov = {c->in.data(), c->in.size()};
+  c->in_msg = {};
+  c->in_msg.msg_iov = &c->in_iov;
+  c->in_msg.msg_iovlen = 1;
+  c->in_msg.msg_control = c->in_control;
+  c->in_msg.msg_controllen = sizeof(c->in_control);
+  c->recv.callback = [this, c](int32_t res, bool) {
+    Completed();
+    loop_.CancelTimer(c->timer);
+    // Close any fds a misbehaving server attached to its reply.
+    if (res > 0) {
+      for (cmsghdr* cm = CMSG_FIRSTHDR(&c->in_msg); cm != nullptr; cm = CMSG_NXTHDR(&c->in_msg, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+          size_t n = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t i = 0; i < n; ++i) {
+            int fd;
+            std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+            close(fd);
+          }
+        }
+      }
+    }
+    if (res == -ECANCELED) {
+      if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+      return Finish(c, absl::DeadlineExceededError(absl::StrCat(
+                           "the server took the fd but did not answer within ",
+                           absl::FormatDuration(options_.reply_timeout))),
+                    std::nullopt);
+    }
+    if (res < 0) return Finish(c, ErrnoStatus(-res, "reading the server's reply"), std::nullopt);
+    if (res == 0) {
+      return Finish(c, absl::UnavailableError("the server closed the connection without answering"),
+                    std::nullopt);
+    }
+    if (c->in_msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+      return Finish(c, absl::InvalidArgumentError("the server's reply was too large"), std::nullopt);
+    }
+    auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
+    if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
+    if (!reply->ok) {
+      return Finish(c, absl::FailedPreconditionError(absl::StrCat("the server refused: ", reply->error)),
+                    std::nullopt);
+    }
+    Finish(c, absl::OkStatus(), *reply);
+  };
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
+  Arm(sqe, &c->recv);
+  // Only fires while the receive is in flight, so the endpoint is alive (kept by keep_alive_).
+  c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.reply_timeout),
+                            [this, c] { loop_.Cancel(&c->recv); });
+}
+
+void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply) {
+  c->fd.Reset();
+  std::unique_ptr<Connection> doomed;
+  for (auto it = connections_in_flight_.begin(); it != connections_in_flight_.end(); ++it) {
+    if (it->get() == c) {
+      doomed = std::move(*it);
+      connections_in_flight_.erase(it);
+      break;
+    }
+  }
+  if (status.ok()) {
+    served_ = true;
+    LOG(INFO) << "volume " << config_.volume_id << " handed to server pid " << c->peer_pid << " ("
+              << reply->server << ")";
+    if (events_.on_served) events_.on_served(*reply, c->peer_pid);
+  } else {
+    LOG(WARNING) << "handoff of volume " << config_.volume_id << " to pid " << c->peer_pid
+                 << " failed: " << status;
+    if (events_.on_connection_error) events_.on_connection_error(status);
+  }
+  ReleaseLater(std::move(doomed));
+}
+
+}  // namespace fusekeeper

@@ -1,0 +1,101 @@
+// HandoffEndpoint: the agent's side of the fd handoff for one FUSE volume, on the loop's ring.
+//
+// It owns a listening SOCK_SEQPACKET socket and a dup of the volume's /dev/fuse fd (kept for as
+// long as the volume is mounted: the connection stays alive while any fd to it is open, which the
+// recovery work builds on). Each connection is accepted on the ring; the peer's uid is checked
+// (SO_PEERCRED); the MountConfig and the fd are sent with IORING_OP_SENDMSG; the server's reply is
+// read with IORING_OP_RECVMSG under a deadline. Nothing blocks the loop, and many endpoints wait at
+// once without affecting each other or any RPC.
+//
+// After a server has taken the volume, further connections get a refusal (no fd). Peers that close
+// early, send garbage, or never answer get their connection closed and are reported; the endpoint
+// keeps listening.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "agent/base/unique_fd.h"
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/loop/loop.h"
+
+namespace fusekeeper {
+
+struct HandoffOptions {
+  // How long a connected server has to answer after receiving the fd.
+  absl::Duration reply_timeout = absl::Seconds(10);
+  // If set, only this uid may receive the fd (root always may).
+  std::optional<uid_t> peer_uid;
+};
+
+class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
+ public:
+  struct Events {
+    // A server accepted the volume (its reply said ok). Loop thread.
+    absl::AnyInvocable<void(const HandoffReply& reply, pid_t server_pid)> on_served;
+    // A connection failed (peer refused, garbage, timeout, wrong uid...). Loop thread.
+    absl::AnyInvocable<void(const absl::Status& why)> on_connection_error;
+  };
+
+  // Blocking (BlockingPool): creates the listening socket as `name` inside the directory
+  // `dir_fd`. Binding goes through /proc/self/fd/<dir_fd>/<name>, so the directory's own path
+  // may be of any length (sun_path holds 108 bytes) and no symlink is followed to reach it. The
+  // socket file is made mode 0600 and owned by owner_uid:owner_gid (the server's user).
+  static absl::StatusOr<UniqueFd> ListenBlocking(int dir_fd, const std::string& name,
+                                                 uid_t owner_uid, gid_t owner_gid);
+
+  // Loop thread. `fuse_fd` is the endpoint's own dup of the connection.
+  static std::shared_ptr<HandoffEndpoint> Start(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd,
+                                                MountConfig config, HandoffOptions options,
+                                                Events events);
+  ~HandoffEndpoint();
+
+  // Loop thread. Stops accepting and closes the listening socket; connections in flight are
+  // cancelled. The fuse fd is released (closed) when the last in-flight operation finishes.
+  void Stop();
+
+  bool served() const { return served_; }
+  int fuse_fd() const { return fuse_fd_.get(); }
+  int connections_handled() const { return connections_; }
+
+ private:
+  struct Connection;
+  HandoffEndpoint(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config,
+                  HandoffOptions options, Events events);
+  // Arms a ring operation; the endpoint keeps itself alive while any is in flight.
+  void Arm(io_uring_sqe* sqe, Completion* completion);
+  // Called first in every completion callback.
+  void Completed();
+  // Releases `doomed` (and the self-reference, if nothing is in flight) after the current
+  // callback has returned: nothing is destroyed from inside its own callback.
+  void ReleaseLater(std::unique_ptr<Connection> doomed);
+  void ArmAccept();
+  void OnAccepted(int fd);
+  void SendOffer(Connection* c, bool refuse, std::string why);
+  void AwaitReply(Connection* c);
+  void Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply);
+
+  Loop& loop_;
+  UniqueFd listen_fd_;
+  UniqueFd fuse_fd_;
+  const MountConfig config_;
+  const HandoffOptions options_;
+  Events events_;
+  Completion accept_;
+  std::vector<std::unique_ptr<Connection>> connections_in_flight_;
+  std::shared_ptr<HandoffEndpoint> keep_alive_;
+  int in_flight_ = 0;
+  bool stopped_ = false;
+  bool served_ = false;
+  int connections_ = 0;
+};
+
+}  // namespace fusekeeper

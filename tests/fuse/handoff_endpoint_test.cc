@@ -1,0 +1,271 @@
+#include "agent/fuse/handoff_endpoint.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/testing/loop_thread.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+namespace {
+
+namespace fs = std::filesystem;
+
+UniqueFd Connect(const std::string& path) {
+  UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  EXPECT_LT(path.size(), sizeof(a.sun_path));
+  strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  EXPECT_EQ(connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << strerror(errno);
+  return s;
+}
+
+class HandoffEndpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_fd_.Reset(open(dir_.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    int p[2];
+    ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+    fake_fuse_.Reset(p[0]);
+    pipe_w_.Reset(p[1]);
+    config_.volume_id = "vol-h";
+    config_.gid = 1000;
+    config_.volume_context = {{"bucket", "b"}};
+  }
+  void TearDown() override {
+    if (endpoint_) lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    endpoint_.reset();
+    lt_.StopAndJoin();
+  }
+  // Starts an endpoint at dir_/sock; events arrive in the promises below.
+  void StartEndpoint(HandoffOptions options = {}) {
+    lt_.RunOnLoop([&] {
+      auto listen = HandoffEndpoint::ListenBlocking(dir_fd_.get(), "sock", getuid(), getgid());
+      ASSERT_TRUE(listen.ok()) << listen.status();
+      UniqueFd dup_fd(fcntl(fake_fuse_.get(), F_DUPFD_CLOEXEC, 0));
+      HandoffEndpoint::Events events;
+      events.on_served = [this](const HandoffReply& r, pid_t pid) {
+        served_.push_back({r.server, pid});
+        served_cv_.set_value();
+      };
+      events.on_connection_error = [this](const absl::Status& s) {
+        errors_.push_back(s);
+        if (error_waiter_) std::exchange(error_waiter_, nullptr)->set_value(s);
+      };
+      endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(dup_fd), config_,
+                                         options, std::move(events));
+    });
+  }
+  std::future<absl::Status> NextError() {
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&] { error_waiter_ = p; });
+    return f;
+  }
+  std::string SockPath() { return dir_.path() + "/sock"; }
+
+  ShortTempDir dir_;
+  UniqueFd dir_fd_, fake_fuse_, pipe_w_;
+  MountConfig config_;
+  LoopThread lt_;
+  std::shared_ptr<HandoffEndpoint> endpoint_;
+  std::vector<std::pair<std::string, pid_t>> served_;
+  std::promise<void> served_cv_;
+  std::vector<absl::Status> errors_;
+  std::shared_ptr<std::promise<absl::Status>> error_waiter_;
+};
+
+TEST_F(HandoffEndpointTest, SocketIsPrivateToTheServersUser) {
+  StartEndpoint();
+  struct stat st;
+  ASSERT_EQ(lstat(SockPath().c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(st.st_uid, getuid());
+}
+
+TEST_F(HandoffEndpointTest, HandsConfigAndFdToTheServerThenRefusesASecond) {
+  StartEndpoint();
+  UniqueFd s = Connect(SockPath());
+  auto m = ReceiveHandoffMessage(s.get());
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto config = DecodeMountConfig(m->payload);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->volume_id, "vol-h");
+  EXPECT_EQ(config->gid, 1000u);
+  EXPECT_EQ(config->volume_context.at("bucket"), "b");
+  ASSERT_TRUE(m->fd.valid());
+  struct stat a, b;
+  ASSERT_EQ(fstat(m->fd.get(), &a), 0);
+  ASSERT_EQ(fstat(fake_fuse_.get(), &b), 0);
+  EXPECT_EQ(a.st_ino, b.st_ino) << "the server received the volume's connection";
+  ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = true, .server = "test-server"}), -1).ok());
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  lt_.RunOnLoop([&] {
+    EXPECT_TRUE(endpoint_->served());
+    ASSERT_EQ(served_.size(), 1u);
+    EXPECT_EQ(served_[0].first, "test-server");
+    EXPECT_EQ(served_[0].second, getpid());
+  });
+  // A second server is turned away, and gets no fd.
+  auto err = NextError();
+  UniqueFd s2 = Connect(SockPath());
+  auto m2 = ReceiveHandoffMessage(s2.get());
+  ASSERT_TRUE(m2.ok()) << m2.status();
+  EXPECT_FALSE(m2->fd.valid());
+  EXPECT_EQ(DecodeMountConfig(m2->payload).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(m2->payload.find("already being served"), std::string::npos);
+  ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+}
+
+TEST_F(HandoffEndpointTest, GarbageEarlyCloseAndSilenceAreReportedAndListeningGoesOn) {
+  StartEndpoint({.reply_timeout = absl::Milliseconds(100)});
+  {  // garbage
+    auto err = NextError();
+    UniqueFd s = Connect(SockPath());
+    ASSERT_TRUE(ReceiveHandoffMessage(s.get()).ok());
+    ASSERT_TRUE(SendHandoffMessage(s.get(), "this is not json", -1).ok());
+    ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+    EXPECT_EQ(err.get().code(), absl::StatusCode::kInvalidArgument);
+  }
+  {  // the server refuses
+    auto err = NextError();
+    UniqueFd s = Connect(SockPath());
+    ASSERT_TRUE(ReceiveHandoffMessage(s.get()).ok());
+    ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = false, .error = "no bucket"}), -1).ok());
+    ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+    absl::Status e = err.get();
+    EXPECT_EQ(e.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(e.message().find("no bucket"), std::string::npos);
+  }
+  {  // takes the fd and closes without a word
+    auto err = NextError();
+    UniqueFd s = Connect(SockPath());
+    ASSERT_TRUE(ReceiveHandoffMessage(s.get()).ok());
+    s.Reset();
+    ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+    EXPECT_EQ(err.get().code(), absl::StatusCode::kUnavailable);
+  }
+  {  // never answers
+    auto err = NextError();
+    UniqueFd s = Connect(SockPath());
+    ASSERT_TRUE(ReceiveHandoffMessage(s.get()).ok());
+    ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+    EXPECT_EQ(err.get().code(), absl::StatusCode::kDeadlineExceeded);
+  }
+  // Still listening, and still unserved: a good server gets the volume.
+  UniqueFd s = Connect(SockPath());
+  auto m = ReceiveHandoffMessage(s.get());
+  ASSERT_TRUE(m.ok());
+  ASSERT_TRUE(m->fd.valid());
+  ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+}
+
+TEST_F(HandoffEndpointTest, AnotherUserIsRefused) {
+  StartEndpoint({.peer_uid = 4242});
+  auto err = NextError();
+  const std::string path = SockPath();
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(10);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+    // The socket is 0600 root-owned: uid 65534 cannot even connect.
+    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) _exit(errno == EACCES ? 0 : 11);
+    _exit(12);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "another user could connect to the handoff socket";
+  // And the uid check itself: make the socket reachable, then try again.
+  ASSERT_EQ(chmod(path.c_str(), 0666), 0);
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
+  child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(10);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) _exit(13);
+    char buf[4096];
+    char control[CMSG_SPACE(sizeof(int))];
+    iovec iov{buf, sizeof(buf)};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    ssize_t n = recvmsg(s, &msg, 0);
+    if (n <= 0) _exit(14);
+    if (msg.msg_controllen != 0) _exit(15);  // received an fd: must not happen
+    _exit(memmem(buf, n, "may not serve", 13) != nullptr ? 0 : 16);
+  }
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(err.get().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(HandoffEndpointTest, DirectoryPathsLongerThanSunPathWork) {
+  std::string deep = dir_.path();
+  while (deep.size() < 200) deep += "/a-rather-long-directory-name";
+  fs::create_directories(deep);
+  UniqueFd deep_fd(open(deep.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  auto listen = HandoffEndpoint::ListenBlocking(deep_fd.get(), "sock", getuid(), getgid());
+  ASSERT_TRUE(listen.ok()) << listen.status();
+  EXPECT_TRUE(fs::is_socket(deep + "/sock"));
+  // A client reaches it the same way, through its own fd on the directory.
+  UniqueFd s = Connect(absl::StrCat("/proc/self/fd/", deep_fd.get(), "/sock"));
+  EXPECT_TRUE(s.valid());
+}
+
+TEST_F(HandoffEndpointTest, RefusesToReplaceANonSocket) {
+  ASSERT_EQ(mkdir((dir_.path() + "/sock").c_str(), 0700), 0);
+  auto listen = HandoffEndpoint::ListenBlocking(dir_fd_.get(), "sock", getuid(), getgid());
+  EXPECT_EQ(listen.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(fs::is_directory(dir_.path() + "/sock"));
+}
+
+TEST_F(HandoffEndpointTest, StopWithAConnectionInFlightReleasesEverything) {
+  StartEndpoint();
+  auto err = NextError();
+  UniqueFd s = Connect(SockPath());
+  ASSERT_TRUE(ReceiveHandoffMessage(s.get()).ok());  // the endpoint now waits for our reply
+  std::weak_ptr<HandoffEndpoint> weak = endpoint_;
+  lt_.RunOnLoop([&] { endpoint_->Stop(); });
+  endpoint_.reset();
+  ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(err.get().code(), absl::StatusCode::kCancelled);
+  lt_.RunOnLoop([] {});
+  lt_.RunOnLoop([] {});  // the deferred release has run
+  EXPECT_TRUE(weak.expired()) << "the endpoint was not freed";
+  // Its dup of the connection is closed: with our pipe's other copies gone, a write now fails.
+  s.Reset();
+  fake_fuse_.Reset();
+  char c = 'x';
+  signal(SIGPIPE, SIG_IGN);  // see EPIPE instead of dying of it
+  EXPECT_EQ(write(pipe_w_.get(), &c, 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+}
+
+}  // namespace
+}  // namespace fusekeeper
