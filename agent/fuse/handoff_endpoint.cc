@@ -199,18 +199,10 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
   c->recv.callback = [this, c](int32_t res, bool) {
     Completed();
     loop_.CancelTimer(c->timer);
-    // Close any fds a misbehaving server attached to its reply.
+    // Close any fds a misbehaving server attached to its reply (they go out of scope here).
     if (res > 0) {
-      for (cmsghdr* cm = CMSG_FIRSTHDR(&c->in_msg); cm != nullptr; cm = CMSG_NXTHDR(&c->in_msg, cm)) {
-        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-          size_t n = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-          for (size_t i = 0; i < n; ++i) {
-            int fd;
-            std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
-            close(fd);
-          }
-        }
-      }
+      bool other_control;
+      TakeReceivedFds(c->in_msg, &other_control);
     }
     if (res == -ECANCELED) {
       if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);

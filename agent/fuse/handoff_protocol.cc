@@ -207,6 +207,24 @@ absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd) {
   return absl::OkStatus();
 }
 
+std::vector<UniqueFd> TakeReceivedFds(const msghdr& msg, bool* other_control) {
+  std::vector<UniqueFd> fds;
+  *other_control = false;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(const_cast<msghdr*>(&msg), cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(fd);
+      }
+    } else {
+      *other_control = true;
+    }
+  }
+  return fds;
+}
+
 absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock) {
   std::string buf(kMaxHandoffMessageBytes + 1, '\0');
   iovec iov{buf.data(), buf.size()};
@@ -222,20 +240,8 @@ absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock) {
   } while (n < 0 && errno == EINTR);
   if (n < 0) return ErrnoStatus(errno, "receiving handoff message");
   // Take ownership of every fd first, so that nothing leaks whatever is wrong below.
-  std::vector<UniqueFd> fds;
   bool other_control = false;
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-      size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
-        fds.emplace_back(fd);
-      }
-    } else {
-      other_control = true;
-    }
-  }
+  std::vector<UniqueFd> fds = TakeReceivedFds(msg, &other_control);
   if (n == 0 && fds.empty()) return absl::UnavailableError("the peer closed the handoff socket");
   if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return Bad("message or its control data was truncated");
   if (other_control) return Bad("unexpected control data");

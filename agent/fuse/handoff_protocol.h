@@ -65,6 +65,11 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json);
 // JSON string literal (with quotes) for any bytes; invalid UTF-8 is replaced by U+FFFD.
 std::string JsonQuote(absl::string_view s);
 
+// Takes ownership of every fd in msg's SCM_RIGHTS control messages (so none can leak); sets
+// *other_control if control data of another kind was present.
+struct msghdr;
+std::vector<UniqueFd> TakeReceivedFds(const ::msghdr& msg, bool* other_control);
+
 struct ReceivedMessage {
   std::string payload;
   UniqueFd fd;  // invalid if none was attached

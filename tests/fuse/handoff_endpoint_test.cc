@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <future>
 
 #include "absl/strings/str_cat.h"
@@ -173,54 +174,55 @@ TEST_F(HandoffEndpointTest, GarbageEarlyCloseAndSilenceAreReportedAndListeningGo
   ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
 }
 
+// Runs body in a child process as uid/gid 65534; returns its exit code (10: could not switch user).
+int RunAsNobody(const std::function<int()>& body) {
+  pid_t child = fork();
+  if (child == 0) {
+    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(10);
+    _exit(body());
+  }
+  int status = 0;
+  if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// connect(2) to a unix socket without allocating (runs in a forked child). -1/errno on failure.
+int RawConnect(const char* path) {
+  int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  strncpy(a.sun_path, path, sizeof(a.sun_path) - 1);
+  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return -1;
+  return s;
+}
+
 TEST_F(HandoffEndpointTest, AnotherUserIsRefused) {
   StartEndpoint({.peer_uid = 4242});
   auto err = NextError();
   const std::string path = SockPath();
-  pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(10);
-    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    sockaddr_un a{};
-    a.sun_family = AF_UNIX;
-    strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-    // The socket is 0600 root-owned: uid 65534 cannot even connect.
-    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) _exit(errno == EACCES ? 0 : 11);
-    _exit(12);
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "another user could connect to the handoff socket";
+  // The socket is 0600 and owned by the server's user: others cannot even connect.
+  EXPECT_EQ(RunAsNobody([&] { return RawConnect(path.c_str()) < 0 && errno == EACCES ? 0 : 11; }), 0)
+      << "another user could connect to the handoff socket";
   // And the uid check itself: make the socket reachable, then try again.
   ASSERT_EQ(chmod(path.c_str(), 0666), 0);
   ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
-  child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(10);
-    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    sockaddr_un a{};
-    a.sun_family = AF_UNIX;
-    strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) _exit(13);
-    char buf[4096];
-    char control[CMSG_SPACE(sizeof(int))];
-    iovec iov{buf, sizeof(buf)};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    ssize_t n = recvmsg(s, &msg, 0);
-    if (n <= 0) _exit(14);
-    if (msg.msg_controllen != 0) _exit(15);  // received an fd: must not happen
-    _exit(memmem(buf, n, "may not serve", 13) != nullptr ? 0 : 16);
-  }
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(RunAsNobody([&] {
+              int s = RawConnect(path.c_str());
+              if (s < 0) return 13;
+              char buf[4096];
+              char control[CMSG_SPACE(sizeof(int))];
+              iovec iov{buf, sizeof(buf)};
+              msghdr msg{};
+              msg.msg_iov = &iov;
+              msg.msg_iovlen = 1;
+              msg.msg_control = control;
+              msg.msg_controllen = sizeof(control);
+              ssize_t n = recvmsg(s, &msg, 0);
+              if (n <= 0) return 14;
+              if (msg.msg_controllen != 0) return 15;  // received an fd: must not happen
+              return memmem(buf, n, "may not serve", 13) != nullptr ? 0 : 16;
+            }),
+            0);
   ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
   EXPECT_EQ(err.get().code(), absl::StatusCode::kPermissionDenied);
 }
