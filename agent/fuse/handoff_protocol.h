@@ -19,6 +19,8 @@
 // travel only for volumes that ask for them (volume_context "fusekeeper.io/pass-secrets":"true").
 #pragma once
 
+#include <sys/socket.h>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -67,8 +69,7 @@ std::string JsonQuote(absl::string_view s);
 
 // Takes ownership of every fd in msg's SCM_RIGHTS control messages (so none can leak); sets
 // *other_control if control data of another kind was present.
-struct msghdr;
-std::vector<UniqueFd> TakeReceivedFds(const ::msghdr& msg, bool* other_control);
+std::vector<UniqueFd> TakeReceivedFds(const msghdr& msg, bool* other_control);
 
 struct ReceivedMessage {
   std::string payload;
