@@ -73,11 +73,13 @@ void Subprocess::Signal(int signo) {
 }
 
 std::optional<int> Subprocess::Wait(std::chrono::milliseconds timeout) {
+  if (reaped_) return status_;
   pollfd p{pidfd_, POLLIN, 0};
   if (poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return std::nullopt;
   int status = 0;
   PCHECK(waitpid(pid_, &status, 0) == pid_);
   reaped_ = true;
+  status_ = status;
   return status;
 }
 

@@ -22,7 +22,8 @@ class Subprocess {
 
   pid_t pid() const { return pid_; }
   void Signal(int signo);
-  // Waits up to timeout; returns the exit status as from waitpid, or nullopt on timeout.
+  // Waits up to timeout; returns the exit status as from waitpid, or nullopt on timeout. Once the
+  // child has been reaped, returns its status again.
   std::optional<int> Wait(std::chrono::milliseconds timeout);
   // Everything the child wrote to stderr so far (reads the capture file).
   std::string Stderr() const;
@@ -32,6 +33,7 @@ class Subprocess {
   int pidfd_ = -1;
   std::string stderr_path_;
   bool reaped_ = false;
+  int status_ = 0;
 };
 
 // Runfiles path of a binary built by this workspace, e.g. "agent/fusekeeper".

@@ -1,0 +1,182 @@
+// fkserve: fusekeeper's reference FUSE server. Unprivileged: it never mounts anything. It
+// connects to the volume's handoff socket, receives the /dev/fuse connection the agent mounted,
+// and serves it.
+//
+//   fkserve --socket=/path/to/handoff.sock serve --root=/data/to/export
+//   fkserve --socket=/path/to/handoff.sock launch -- squashfuse image.sqfs /dev/fd/{fd}
+//
+// `serve` runs the built-in passthrough of --root. `launch` runs any libfuse3 program with the
+// connection as /dev/fd/<n> ({fd} in its arguments is replaced by the number) and exits with its
+// exit status. Exit codes: 0 served until unmounted; 2 usage; 3 cannot reach the socket or the peer
+// is not the agent; 4 the agent refused or sent something that is not a FUSE device; 5 serving failed;
+// launch: the program's own status (127 if it could not be started).
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "agent/fkserve/passthrough.h"
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/version.h"
+#include "gflags/gflags.h"
+
+DEFINE_string(socket, "", "the volume's handoff socket (from the agent)");
+DEFINE_string(root, "", "serve: the directory to export");
+DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused");
+
+namespace {
+
+using fusekeeper::UniqueFd;
+
+int Fail(int code, const std::string& message) {
+  fprintf(stderr, "fkserve: %s\n", message.c_str());
+  return code;
+}
+
+// Replies to the agent; failures to reply are reported but do not change what happens next.
+void Reply(int sock, bool ok, const std::string& error) {
+  fusekeeper::HandoffReply r;
+  r.ok = ok;
+  r.error = error;
+  r.server = absl::StrCat("fkserve ", fusekeeper::kVersion);
+  auto s = fusekeeper::SendHandoffMessage(sock, fusekeeper::EncodeHandoffReply(r), -1);
+  if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
+}
+
+int Launch(int sock, UniqueFd fuse_fd, const std::vector<std::string>& program) {
+  if (program.empty()) {
+    Reply(sock, false, "launch mode needs a program to run");
+    return Fail(2, "launch: no program given (fkserve launch -- <program> [args] /dev/fd/{fd})");
+  }
+  // The program inherits the connection as a plain (non close-on-exec) fd.
+  int inherit = fcntl(fuse_fd.get(), F_DUPFD, 3);
+  if (inherit < 0) return Fail(5, absl::StrCat("dup: ", strerror(errno)));
+  std::vector<std::string> args;
+  for (const std::string& a : program) args.push_back(absl::StrReplaceAll(a, {{"{fd}", std::to_string(inherit)}}));
+  // Learn whether exec worked through a close-on-exec pipe: it closes on success.
+  int p[2];
+  if (pipe2(p, O_CLOEXEC) != 0) return Fail(5, "pipe");
+  pid_t child = fork();
+  if (child < 0) return Fail(5, absl::StrCat("fork: ", strerror(errno)));
+  if (child == 0) {
+    close(p[0]);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    int err = errno;
+    (void)!write(p[1], &err, sizeof(err));
+    _exit(127);
+  }
+  close(p[1]);
+  close(inherit);
+  fuse_fd.Reset();
+  int exec_errno = 0;
+  ssize_t n = read(p[0], &exec_errno, sizeof(exec_errno));
+  close(p[0]);
+  if (n == sizeof(exec_errno)) {
+    const std::string why = absl::StrCat("could not start ", args[0], ": ", strerror(exec_errno));
+    Reply(sock, false, why);
+    waitpid(child, nullptr, 0);
+    return Fail(127, why);
+  }
+  Reply(sock, true, "");
+  int status = 0;
+  waitpid(child, &status, 0);
+  if (WIFEXITED(status)) {
+    if (WEXITSTATUS(status) != 0) {
+      fprintf(stderr, "fkserve: %s exited with status %d\n", args[0].c_str(), WEXITSTATUS(status));
+    }
+    return WEXITSTATUS(status);
+  }
+  fprintf(stderr, "fkserve: %s was killed by signal %d\n", args[0].c_str(), WTERMSIG(status));
+  return 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The mode and the launched program come from the original argv: gflags reorders it, and
+  // nothing after "--" may be mistaken for our own flags.
+  std::string mode;
+  std::vector<std::string> program;
+  bool after_dashes = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (after_dashes) {
+      program.push_back(a);
+    } else if (a == "--") {
+      after_dashes = true;
+    } else if (mode.empty() && a.rfind("-", 0) != 0) {
+      mode = a;
+    }
+  }
+  gflags::SetVersionString(fusekeeper::kVersion);
+  gflags::SetUsageMessage(
+      "fkserve --socket=<handoff socket> serve --root=<dir>\n"
+      "fkserve --socket=<handoff socket> launch -- <program> [args with {fd}]");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (mode.empty()) return Fail(2, gflags::ProgramUsage());
+  if (mode != "serve" && mode != "launch") return Fail(2, absl::StrCat("unknown mode '", mode, "'"));
+  if (FLAGS_socket.empty()) return Fail(2, "--socket is required");
+  if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
+
+  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (FLAGS_socket.size() >= sizeof(addr.sun_path)) {
+    return Fail(3, absl::StrCat("socket path ", FLAGS_socket, " is longer than 107 bytes; "
+                                "pass it through a shorter path or /proc/self/fd/<dirfd>/name"));
+  }
+  memcpy(addr.sun_path, FLAGS_socket.data(), FLAGS_socket.size());
+  if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return Fail(3, absl::StrCat("cannot connect to ", FLAGS_socket, ": ", strerror(errno),
+                                errno == ENOENT ? " (does the agent publish this volume?)" : ""));
+  }
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+      cred.uid != static_cast<uid_t>(FLAGS_agent_uid)) {
+    return Fail(3, absl::StrCat("the peer on ", FLAGS_socket, " runs as uid ", cred.uid,
+                                ", not the agent's uid ", FLAGS_agent_uid, "; refusing it"));
+  }
+  auto msg = fusekeeper::ReceiveHandoffMessage(sock.get());
+  if (!msg.ok()) return Fail(4, absl::StrCat("receiving from the agent: ", msg.status().message()));
+  auto config = fusekeeper::DecodeMountConfig(msg->payload);
+  if (!config.ok()) return Fail(4, std::string(config.status().message()));
+  struct stat st;
+  if (!msg->fd.valid() || fstat(msg->fd.get(), &st) != 0 || !S_ISCHR(st.st_mode) ||
+      major(st.st_rdev) != 10 || minor(st.st_rdev) != 229) {
+    Reply(sock.get(), false, "the fd received is not /dev/fuse");
+    return Fail(4, "the agent's message did not carry a /dev/fuse fd");
+  }
+  fprintf(stderr, "fkserve: serving volume %s (%s)\n", config->volume_id.c_str(), mode.c_str());
+
+  if (mode == "launch") return Launch(sock.get(), std::move(msg->fd), program);
+
+  fusekeeper::PassthroughOptions options;
+  options.root = FLAGS_root;
+  options.read_only = config->read_only;
+  options.mount_group = config->mount_group;
+  struct stat root_st;
+  if (stat(FLAGS_root.c_str(), &root_st) != 0 || !S_ISDIR(root_st.st_mode)) {
+    Reply(sock.get(), false, absl::StrCat("export root ", FLAGS_root, " is not a directory this server can see"));
+    return Fail(5, absl::StrCat("--root ", FLAGS_root, " is not a directory"));
+  }
+  Reply(sock.get(), true, "");
+  sock.Reset();
+  absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
+  if (!s.ok()) return Fail(5, std::string(s.message()));
+  return 0;
+}

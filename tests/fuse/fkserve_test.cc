@@ -1,0 +1,218 @@
+// The reference server end to end: the agent's side (a real FUSE mount and a HandoffEndpoint on
+// the ring) in this process, fkserve as a child process, in a private mount namespace.
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <sys/xattr.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <set>
+
+#include "agent/fuse/fuse_mount.h"
+#include "agent/fuse/handoff_endpoint.h"
+#include "gtest/gtest.h"
+#include "tests/testing/loop_thread.h"
+#include "tests/testing/mount_fixture.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+class FkserveTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse";
+    export_ = root_.path() + "/export";
+    mnt_ = root_.path() + "/mnt";
+    sockdir_ = root_.path() + "/sock";
+    for (const auto& d : {export_, mnt_, sockdir_}) fs::create_directories(d);
+    chmod(root_.path().c_str(), 0755);
+    { std::ofstream(export_ + "/existing.txt") << "already here\n"; }
+  }
+  void TearDown() override {
+    umount2(mnt_.c_str(), MNT_DETACH);
+    if (endpoint_) lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    endpoint_.reset();
+    if (server_) server_->Wait(std::chrono::milliseconds(20000));
+    lt_.StopAndJoin();
+  }
+
+  // Mounts a connection on mnt_ and offers it on sockdir_/s to `server_uid`.
+  void MountAndOffer(MountConfig config, bool read_only = false, uid_t server_uid = 0) {
+    auto dev = OpenFuseDeviceBlocking();
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    UniqueFd target(open(mnt_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    ASSERT_TRUE(MountFuseBlocking(dev->get(), target.get(), mnt_, {.source = config.volume_id,
+                                                                    .read_only = read_only}).ok());
+    UniqueFd dir(open(sockdir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    auto listen = HandoffEndpoint::ListenBlocking(dir.get(), "s", server_uid, server_uid);
+    ASSERT_TRUE(listen.ok()) << listen.status();
+    if (server_uid != 0) chmod(sockdir_.c_str(), 0755);
+    lt_.RunOnLoop([&] {
+      HandoffEndpoint::Events events;
+      events.on_served = [this](const HandoffReply&, pid_t) { served_.set_value(); };
+      events.on_connection_error = [this](const absl::Status& s) { last_error_ = s; };
+      endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(*dev), config, {},
+                                         std::move(events));
+    });
+  }
+  void StartServer(std::vector<std::string> args, uid_t uid = 0) {
+    std::string binary = RunfilePath("agent/fkserve/fkserve");
+    if (uid != 0) {
+      // Bazel's runfiles live under /root (0700): give the unprivileged server a copy it can run.
+      const std::string copy = root_.path() + "/fkserve";
+      fs::copy_file(binary, copy, fs::copy_options::overwrite_existing);
+      fs::permissions(copy, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec |
+                                fs::perms::group_read | fs::perms::others_read);
+      binary = copy;
+    }
+    std::vector<std::string> cmd = {binary, "--socket=" + sockdir_ + "/s"};
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    std::function<void()> drop;
+    if (uid != 0) {
+      drop = [uid] {
+        if (setresgid(uid, uid, uid) != 0 || setresuid(uid, uid, uid) != 0) _exit(99);
+      };
+    }
+    server_ = std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, drop);
+  }
+  bool WaitServed() {
+    return served_.get_future().wait_for(kTestDeadline) == std::future_status::ready;
+  }
+  int ServerExit() {
+    auto st = server_->Wait(std::chrono::milliseconds(20000));
+    EXPECT_TRUE(st.has_value());
+    return st && WIFEXITED(*st) ? WEXITSTATUS(*st) : -1;
+  }
+
+  TmpfsDir root_;
+  std::string export_, mnt_, sockdir_;
+  LoopThread lt_;
+  std::shared_ptr<HandoffEndpoint> endpoint_;
+  std::promise<void> served_;
+  absl::Status last_error_;
+  std::unique_ptr<Subprocess> server_;
+};
+
+TEST_F(FkserveTest, ServesAPassthroughReadsWritesDirsRenamesXattrs) {
+  MountAndOffer({.volume_id = "v-pass"});
+  StartServer({"serve", "--root=" + export_});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/existing.txt"), "already here\n");
+  { std::ofstream(mnt_ + "/new.txt") << "written through FUSE\n"; }
+  EXPECT_EQ(ReadFile(export_ + "/new.txt"), "written through FUSE\n");
+  ASSERT_TRUE(fs::create_directory(mnt_ + "/dir"));
+  fs::rename(mnt_ + "/new.txt", mnt_ + "/dir/moved.txt");
+  EXPECT_TRUE(fs::exists(export_ + "/dir/moved.txt"));
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(mnt_)) names.insert(e.path().filename());
+  EXPECT_EQ(names, (std::set<std::string>{"existing.txt", "dir"}));
+  const std::string file = mnt_ + "/existing.txt";
+  if (setxattr(file.c_str(), "user.fk", "1", 1, 0) == 0) {
+    char v[8] = {};
+    EXPECT_EQ(getxattr(file.c_str(), "user.fk", v, sizeof(v)), 1);
+    EXPECT_EQ(v[0], '1');
+  } else {
+    EXPECT_EQ(errno, EOPNOTSUPP) << "tmpfs without user xattrs";
+  }
+  fs::remove(mnt_ + "/dir/moved.txt");
+  EXPECT_FALSE(fs::exists(export_ + "/dir/moved.txt"));
+  ASSERT_EQ(umount2(mnt_.c_str(), 0), 0) << strerror(errno);
+  lt_.RunOnLoop([&] { endpoint_->Stop(); });  // drops the agent's dup: the connection ends
+  EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
+}
+
+TEST_F(FkserveTest, RunsUnprivilegedAndPresentsTheMountGroup) {
+  fs::permissions(export_, fs::perms::all);
+  chown(export_.c_str(), 65534, 65534);
+  chown((export_ + "/existing.txt").c_str(), 65534, 65534);
+  chmod((export_ + "/existing.txt").c_str(), 0600);
+  MountConfig config{.volume_id = "v-group"};
+  config.mount_group = 4321;
+  MountAndOffer(config, false, /*server_uid=*/65534);
+  StartServer({"serve", "--root=" + export_}, /*uid=*/65534);
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  struct stat st;
+  ASSERT_EQ(stat((mnt_ + "/existing.txt").c_str(), &st), 0);
+  EXPECT_EQ(st.st_gid, 4321u) << "presented with the pod's fsGroup";
+  EXPECT_EQ(st.st_mode & 0070, 0060u) << "group gets the owner's rights";
+  // The real file is untouched, and files the server creates belong to its own user.
+  struct stat real;
+  ASSERT_EQ(stat((export_ + "/existing.txt").c_str(), &real), 0);
+  EXPECT_EQ(real.st_gid, 65534u);
+  { std::ofstream(mnt_ + "/by-pod.txt") << "x"; }
+  ASSERT_EQ(stat((export_ + "/by-pod.txt").c_str(), &real), 0);
+  EXPECT_EQ(real.st_uid, 65534u) << "the server wrote it, unprivileged";
+}
+
+TEST_F(FkserveTest, ReadOnlyVolumesRefuseWrites) {
+  MountAndOffer({.volume_id = "v-ro", .read_only = true}, /*read_only=*/true);
+  StartServer({"serve", "--root=" + export_});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/existing.txt"), "already here\n");
+  EXPECT_LT(open((mnt_ + "/nope").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644), 0);
+  EXPECT_EQ(errno, EROFS);
+}
+
+TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
+  MountAndOffer({.volume_id = "v-launch"});
+  StartServer({"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "launched\n"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/hello"), "launched\n");
+  ASSERT_EQ(umount2(mnt_.c_str(), 0), 0);
+  lt_.RunOnLoop([&] { endpoint_->Stop(); });
+  EXPECT_EQ(ServerExit(), 0) << "the program's exit status is fkserve's: " << server_->Stderr();
+}
+
+TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {
+  MountAndOffer({.volume_id = "v-missing"});
+  StartServer({"launch", "--", "/nonexistent/fuse-program", "/dev/fd/{fd}"});
+  EXPECT_EQ(ServerExit(), 127);
+  EXPECT_NE(server_->Stderr().find("could not start /nonexistent/fuse-program"), std::string::npos);
+  lt_.RunOnLoop([&] {
+    EXPECT_FALSE(endpoint_->served());
+    EXPECT_NE(last_error_.message().find("could not start"), std::string::npos) << last_error_;
+  });
+}
+
+TEST_F(FkserveTest, ClearErrorsForAMissingSocketAWrongPeerAndANonFuseFd) {
+  StartServer({"serve", "--root=" + export_});  // no endpoint yet: nothing listens
+  EXPECT_EQ(ServerExit(), 3);
+  EXPECT_NE(server_->Stderr().find("cannot connect"), std::string::npos) << server_->Stderr();
+
+  MountAndOffer({.volume_id = "v-peer"});
+  StartServer({"--agent_uid=4242", "serve", "--root=" + export_});
+  EXPECT_EQ(ServerExit(), 3);
+  EXPECT_NE(server_->Stderr().find("not the agent"), std::string::npos) << server_->Stderr();
+
+  // A fake "agent" that hands over /dev/null instead of a FUSE connection.
+  lt_.RunOnLoop([&] { endpoint_->Stop(); });
+  endpoint_.reset();
+  fs::remove(sockdir_ + "/s");
+  UniqueFd dir(open(sockdir_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  auto listen = HandoffEndpoint::ListenBlocking(dir.get(), "s", 0, 0);
+  ASSERT_TRUE(listen.ok());
+  lt_.RunOnLoop([&] {
+    endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen),
+                                       UniqueFd(open("/dev/null", O_RDWR | O_CLOEXEC)),
+                                       {.volume_id = "v-fake"}, {}, {});
+  });
+  StartServer({"serve", "--root=" + export_});
+  EXPECT_EQ(ServerExit(), 4);
+  EXPECT_NE(server_->Stderr().find("not carry a /dev/fuse fd"), std::string::npos) << server_->Stderr();
+}
+
+}  // namespace
+}  // namespace fusekeeper
