@@ -76,6 +76,15 @@ int StatxUniqueMountId(int dirfd, const char* path, uint64_t* mnt_id) {
   return 0;
 }
 
+int StatxTypeNoSync(int dirfd, const char* path, mode_t* type) {
+  struct statx stx{};
+  int flags = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | AT_STATX_DONT_SYNC |
+              (path[0] == '\0' ? AT_EMPTY_PATH : 0);
+  if (statx(dirfd, path, flags, STATX_TYPE, &stx) != 0) return -1;
+  *type = stx.stx_mode & S_IFMT;
+  return 0;
+}
+
 int StatMount(uint64_t mnt_id, MountFacts* out) {
   MntIdReq req{sizeof(MntIdReq), 0, mnt_id,
                kStatmountSbBasic | kStatmountMntBasic | kStatmountMntRoot | kStatmountMntPoint |

@@ -5,6 +5,7 @@
 
 #include <linux/openat2.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include <string>
 
@@ -37,5 +38,10 @@ int StatMount(uint64_t mnt_id, MountFacts* out);
 // symlink. For a mount point this is the mount at that point. Never asks a FUSE server
 // (AT_STATX_DONT_SYNC). -1/errno on failure.
 int StatxUniqueMountId(int dirfd, const char* path, uint64_t* mnt_id);
+
+// The file type bits (S_IFMT) of `path` relative to dirfd (AT_EMPTY_PATH if path is ""),
+// without following a final symlink and without asking a FUSE server (AT_STATX_DONT_SYNC): safe on
+// a FUSE mount point whose server is absent. -1/errno on failure.
+int StatxTypeNoSync(int dirfd, const char* path, mode_t* type);
 
 }  // namespace fusekeeper::sys

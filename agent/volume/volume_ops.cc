@@ -10,6 +10,7 @@
 #include "agent/base/crash_point.h"
 #include "agent/base/status.h"
 #include "agent/paths/host_path.h"
+#include "agent/sys/syscalls.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -73,17 +74,18 @@ absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const
     }
     if (errno != EEXIST) return ErrnoStatus(errno, "creating", Abs(ctx, rel));
   }
-  struct stat st;
-  if (fstatat(parent->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+  // The existing mount point may already be a FUSE mount (a repeated publish): never ask its server.
+  mode_t type = 0;
+  if (sys::StatxTypeNoSync(parent->get(), name.c_str(), &type) != 0) {
     return ErrnoStatus(errno, "stat", Abs(ctx, rel));
   }
-  if (S_ISLNK(st.st_mode)) {
+  if (type == S_IFLNK) {
     return absl::InvalidArgumentError(
         absl::StrCat(Abs(ctx, rel), " is a symlink; refusing to mount onto it"));
   }
-  if (directory != S_ISDIR(st.st_mode)) {
+  if (directory != (type == S_IFDIR)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        Abs(ctx, rel), " exists and is ", S_ISDIR(st.st_mode) ? "a directory" : "not a directory",
+        Abs(ctx, rel), " exists and is ", type == S_IFDIR ? "a directory" : "not a directory",
         ", but the volume's source ", directory ? "is a directory" : "is not a directory"));
   }
   return false;
