@@ -64,6 +64,8 @@ DEFINE_string(ephemeral_host_path_prefixes, "",
               "comma-separated absolute paths below which unstaged (CSI inline ephemeral) "
               "hostPath volumes may be mounted; empty refuses them all (pod authors choose "
               "those paths)");
+DEFINE_int32(handoff_timeout_ms, 300000,
+             "a FUSE volume no server has claimed by then is aborted, unmounted and forgotten");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(shutdown_grace_ms, 10000,
@@ -101,7 +103,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1) {
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
                   "--shutdown_grace_ms >= 0";
     return 2;
@@ -143,7 +145,9 @@ int main(int argc, char** argv) {
   }
   fusekeeper::VolumeManager volumes(*loop, pool, *kubelet, *store, **table_reader,
                                     {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms),
-                                     .ephemeral_host_path_prefixes = ephemeral_prefixes});
+                                     .ephemeral_host_path_prefixes = ephemeral_prefixes,
+                                     .socket_dir = FLAGS_state_dir + "/sockets",
+                                     .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms)});
 
   utsname uts{};
   uname(&uts);

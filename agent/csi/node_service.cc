@@ -98,14 +98,15 @@ grpc::ServerUnaryReactor* NodeService::NodeExpandVolume(
 grpc::ServerUnaryReactor* NodeService::NodeGetCapabilities(
     grpc::CallbackServerContext* ctx, const csi::v1::NodeGetCapabilitiesRequest* req,
     csi::v1::NodeGetCapabilitiesResponse* resp) {
-  // Only implemented capabilities are advertised (VOLUME_MOUNT_GROUP arrives with FUSE volumes).
+  // Only implemented capabilities are advertised.
   return dispatcher_.Dispatch(ctx, "NodeGetCapabilities", /*quiet=*/true, *req, resp,
                               [this](Responder r) {
                                 csi::v1::NodeGetCapabilitiesResponse caps;
                                 if (volumes_ != nullptr) {
                                   using T = csi::v1::NodeServiceCapability::RPC;
                                   for (auto type : {T::STAGE_UNSTAGE_VOLUME, T::GET_VOLUME_STATS,
-                                                    T::VOLUME_CONDITION, T::SINGLE_NODE_MULTI_WRITER}) {
+                                                    T::VOLUME_CONDITION, T::SINGLE_NODE_MULTI_WRITER,
+                                                    T::VOLUME_MOUNT_GROUP}) {
                                     caps.add_capabilities()->mutable_rpc()->set_type(type);
                                   }
                                 }

@@ -2,12 +2,13 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "agent/paths/host_path.h"
 #include "agent/volume/reconcile.h"
 #include "glog/logging.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace fusekeeper {
 namespace {
@@ -15,29 +16,104 @@ namespace {
 using csi::v1::VolumeCapability;
 
 constexpr char kKindHostPath[] = "hostPath";
+constexpr char kKindFuse[] = "fuse";
+constexpr char kPodUidKey[] = "csi.storage.k8s.io/pod.uid";
 
-struct HostPathSpec {
+// What volume_context (and the capability) ask for, validated.
+struct VolumeSpec {
+  std::string kind;
+  // hostPath
   std::string path;
   std::string type;
+  // fuse
+  state::Fuse fuse;
+  std::string socket_volume;  // inline: the pod's emptyDir holding the handoff socket
+  std::string socket_name = "fusekeeper.sock";
+  std::map<std::string, std::string> server_context;  // handed to the FUSE server
 };
 
-absl::StatusOr<HostPathSpec> ParseContext(const google::protobuf::Map<std::string, std::string>& ctx) {
-  auto get = [&ctx](const char* key) -> std::string {
-    auto it = ctx.find(key);
-    return it == ctx.end() ? "" : it->second;
-  };
-  const std::string kind = get("kind");
-  if (kind.empty()) {
-    return absl::InvalidArgumentError("volume_context.kind is required (supported: hostPath)");
+std::string Get(const google::protobuf::Map<std::string, std::string>& ctx, const char* key) {
+  auto it = ctx.find(key);
+  return it == ctx.end() ? "" : it->second;
+}
+
+absl::StatusOr<uint32_t> ParseId(const std::string& value, absl::string_view what) {
+  if (value.empty() || value.size() > 10 || value.find_first_not_of("0123456789") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", value, "' is not a numeric id"));
   }
-  if (kind != kKindHostPath) {
+  uint64_t v = std::stoull(value);
+  if (v > UINT32_MAX) return absl::InvalidArgumentError(absl::StrCat(what, " '", value, "' is out of range"));
+  return static_cast<uint32_t>(v);
+}
+
+// A single path component chosen by a pod author.
+absl::Status CheckName(const std::string& name, absl::string_view what) {
+  if (name.empty() || name.size() > 253 || name == "." || name == ".." ||
+      name.find_first_of("/\0", 0, 2) != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' is not a valid name"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<VolumeSpec> ParseSpec(const google::protobuf::Map<std::string, std::string>& ctx,
+                                     const VolumeCapability& cap) {
+  VolumeSpec spec;
+  spec.kind = Get(ctx, "kind");
+  if (spec.kind.empty()) {
+    return absl::InvalidArgumentError("volume_context.kind is required (supported: hostPath, fuse)");
+  }
+  const std::string group = cap.mount().volume_mount_group();
+  if (spec.kind == kKindHostPath) {
+    spec.path = Get(ctx, "path");
+    spec.type = Get(ctx, "type");
+    if (spec.path.empty()) return absl::InvalidArgumentError("volume_context.path is required for hostPath");
+    if (auto s = ValidateHostPath(spec.path); !s.ok()) return s;
+    if (auto t = ParseHostPathType(spec.type); !t.ok()) return t.status();
+    if (!group.empty()) {
+      // A bind mount cannot re-present ownership; kubelet does not chown either (fsGroup is
+      // delegated to us), so say so rather than pretend.
+      if (auto g = ParseId(group, "volume_mount_group"); !g.ok()) return g.status();
+      LOG(WARNING) << "hostPath volumes do not apply volume_mount_group (fsGroup " << group
+                   << "): files keep their owners";
+    }
+    return spec;
+  }
+  if (spec.kind != kKindFuse) {
     return absl::InvalidArgumentError(
-        absl::StrCat("volume_context.kind '", kind, "' is not supported (supported: hostPath)"));
+        absl::StrCat("volume_context.kind '", spec.kind, "' is not supported (supported: hostPath, fuse)"));
   }
-  HostPathSpec spec{get("path"), get("type")};
-  if (spec.path.empty()) return absl::InvalidArgumentError("volume_context.path is required for hostPath");
-  if (auto s = ValidateHostPath(spec.path); !s.ok()) return s;
-  if (auto t = ParseHostPathType(spec.type); !t.ok()) return t.status();
+  spec.fuse.set_subtype(Get(ctx, "subtype").empty() ? "fusekeeper" : Get(ctx, "subtype"));
+  if (spec.fuse.subtype().find_first_of(",= \t\n/") != std::string::npos || spec.fuse.subtype().size() > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("volume_context.subtype '", spec.fuse.subtype(), "' is not valid"));
+  }
+  const std::string uid = Get(ctx, "serverUid"), gid = Get(ctx, "serverGid");
+  if (!uid.empty()) {
+    auto u = ParseId(uid, "volume_context.serverUid");
+    if (!u.ok()) return u.status();
+    spec.fuse.set_server_uid(*u);
+  }
+  if (!gid.empty() || !uid.empty()) {
+    auto g = ParseId(gid.empty() ? uid : gid, "volume_context.serverGid");
+    if (!g.ok()) return g.status();
+    spec.fuse.set_server_gid(*g);
+  }
+  if (!group.empty()) {
+    auto g = ParseId(group, "volume_mount_group");
+    if (!g.ok()) return g.status();
+    spec.fuse.set_has_mount_group(true);
+    spec.fuse.set_mount_group(*g);
+  }
+  spec.fuse.set_pass_secrets(Get(ctx, "passSecrets") == "true");
+  spec.socket_volume = Get(ctx, "socketVolume");
+  if (!Get(ctx, "socketName").empty()) spec.socket_name = Get(ctx, "socketName");
+  if (auto s = CheckName(spec.socket_name, "volume_context.socketName"); !s.ok()) return s;
+  for (const auto& [k, v] : ctx) {
+    if (k == "kind" || k == "serverUid" || k == "serverGid" || k == "subtype" ||
+        k == "socketVolume" || k == "socketName" || k == "passSecrets") {
+      continue;
+    }
+    spec.server_context[k] = v;
+  }
   return spec;
 }
 
@@ -69,12 +145,14 @@ absl::StatusOr<BindOptions> ParseBindOptions(const VolumeCapability& cap, bool r
   return o;
 }
 
-std::string Fingerprint(const HostPathSpec& spec, const VolumeCapability& cap, bool readonly,
+std::string Fingerprint(const VolumeSpec& spec, const VolumeCapability& cap, bool readonly,
                         const std::string& staging) {
   state::Spec s;
-  s.set_kind(kKindHostPath);
+  s.set_kind(spec.kind);
   s.set_host_path(spec.path);
   s.set_host_path_type(spec.type);
+  *s.mutable_fuse() = spec.fuse;
+  for (const auto& [k, v] : spec.server_context) (*s.mutable_volume_context())[k] = v;
   s.set_access_mode(cap.access_mode().mode());
   for (const auto& f : cap.mount().mount_flags()) s.add_mount_flags(f);
   s.set_volume_mount_group(cap.mount().volume_mount_group());
@@ -89,6 +167,22 @@ std::string Fingerprint(const HostPathSpec& spec, const VolumeCapability& cap, b
   }
   return Sha256Hex(bytes);
 }
+
+// The volume state a spec describes (identity fields left to the blocking half).
+void ApplySpec(const VolumeSpec& spec, state::Volume* v) {
+  v->set_kind(spec.kind);
+  v->set_host_path(spec.path);
+  v->set_host_path_type(spec.type);
+  if (spec.kind == kKindFuse) {
+    std::string socket_path = v->fuse().socket_path();
+    *v->mutable_fuse() = spec.fuse;
+    v->mutable_fuse()->set_socket_path(socket_path);
+    v->clear_volume_context();
+    for (const auto& [k, val] : spec.server_context) (*v->mutable_volume_context())[k] = val;
+  }
+}
+
+bool IsFuse(const state::Volume& v) { return v.kind() == kKindFuse; }
 
 }  // namespace
 
@@ -158,31 +252,48 @@ absl::Status VolumeManager::Claim(const std::string& volume_id) {
   return absl::OkStatus();
 }
 
+template <typename T>
+void VolumeManager::RunJob(const std::string& volume_id, std::string reason,
+                           absl::AnyInvocable<absl::StatusOr<T>()> work,
+                           absl::AnyInvocable<absl::Status(T)> adopt, Done done) {
+  struct Job {
+    absl::AnyInvocable<absl::StatusOr<T>()> work;
+    absl::StatusOr<T> result = absl::UnknownError("not run");
+    absl::AnyInvocable<absl::Status(T)> adopt;
+    Done done;
+  };
+  auto job = std::make_shared<Job>();
+  job->work = std::move(work);
+  job->adopt = std::move(adopt);
+  job->done = std::move(done);
+  absl::Status s = pool_.Submit(
+      std::move(reason), [job] { job->result = job->work(); },
+      [this, volume_id, job](absl::Status ran) {
+        busy_.erase(volume_id);
+        if (!ran.ok()) return job->done(ran);
+        if (!job->result.ok()) return job->done(job->result.status());
+        job->done(job->adopt(std::move(*job->result)));
+      });
+  if (!s.ok()) {
+    busy_.erase(volume_id);
+    job->done(s);
+  }
+}
+
 void VolumeManager::RunVolumeJob(
     const std::string& volume_id, std::string reason,
     absl::AnyInvocable<absl::StatusOr<std::optional<state::Volume>>()> work, Done done) {
-  auto result = std::make_shared<absl::StatusOr<std::optional<state::Volume>>>(
-      absl::UnknownError("not run"));
-  auto work_ptr = std::make_shared<decltype(work)>(std::move(work));
-  auto finish = [this, volume_id, result](absl::Status ran, Done done) {
-    busy_.erase(volume_id);
-    if (!ran.ok()) return done(ran);
-    if (!result->ok()) return done(result->status());
-    if (result->value().has_value()) {
-      volumes_[volume_id] = std::move(*result->value());
-    } else {
-      volumes_.erase(volume_id);
-    }
-    done(absl::OkStatus());
-  };
-  auto done_ptr = std::make_shared<Done>(std::move(done));
-  absl::Status s = pool_.Submit(
-      std::move(reason), [work_ptr, result] { *result = (*work_ptr)(); },
-      [finish, done_ptr](absl::Status ran) mutable { finish(ran, std::move(*done_ptr)); });
-  if (!s.ok()) {
-    busy_.erase(volume_id);
-    (*done_ptr)(s);
-  }
+  RunJob<std::optional<state::Volume>>(
+      volume_id, std::move(reason), std::move(work),
+      [this, volume_id](std::optional<state::Volume> v) {
+        if (v.has_value()) {
+          volumes_[volume_id] = std::move(*v);
+        } else {
+          volumes_.erase(volume_id);
+        }
+        return absl::OkStatus();
+      },
+      std::move(done));
 }
 
 const state::Target* VolumeManager::FindTargetOwner(const std::string& path, std::string* owner) const {
@@ -197,14 +308,120 @@ const state::Target* VolumeManager::FindTargetOwner(const std::string& path, std
   return nullptr;
 }
 
+std::string VolumeManager::EndpointKey(const std::string& volume_id, const std::string& path) {
+  return absl::StrCat(volume_id, "\n", path);
+}
+
+void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd,
+                                  UniqueFd listen_fd, const std::map<std::string, std::string>& secrets,
+                                  const std::vector<std::string>& mount_options) {
+  MountConfig config;
+  config.volume_id = v.volume_id();
+  config.uid = v.fuse().server_uid();
+  config.gid = v.fuse().server_gid();
+  if (v.fuse().has_mount_group()) config.mount_group = v.fuse().mount_group();
+  for (const auto& t : v.targets()) {
+    if (t.path() == path) config.read_only = t.readonly();
+  }
+  config.mount_options = mount_options;
+  for (const auto& [k, val] : v.volume_context()) config.volume_context[k] = val;
+  if (v.fuse().pass_secrets()) config.secrets = secrets;
+  const std::string key = EndpointKey(v.volume_id(), path);
+  StopEndpoint(v.volume_id(), path);
+  HandoffEndpoint::Events events;
+  events.on_served = [this, key](const HandoffReply&, pid_t) {
+    auto it = endpoints_.find(key);
+    if (it != endpoints_.end()) loop_.CancelTimer(it->second.timeout);
+  };
+  Endpoint e;
+  e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config),
+                                      {.reply_timeout = options_.handoff_reply_timeout,
+                                       .peer_uid = v.fuse().server_uid()},
+                                      std::move(events));
+  const std::string id = v.volume_id();
+  e.timeout = loop_.AddTimer(absl::ToChronoNanoseconds(options_.handoff_timeout),
+                             [this, id, path] { OnHandoffTimeout(id, path); });
+  LOG(INFO) << "volume " << id << ": FUSE mount at " << path << " waits for its server on "
+            << v.fuse().socket_path();
+  endpoints_[key] = std::move(e);
+}
+
+void VolumeManager::StopEndpoint(const std::string& volume_id, const std::string& path) {
+  auto it = endpoints_.find(EndpointKey(volume_id, path));
+  if (it == endpoints_.end()) return;
+  loop_.CancelTimer(it->second.timeout);
+  it->second.endpoint->Stop();
+  endpoints_.erase(it);
+}
+
+void VolumeManager::OnHandoffTimeout(const std::string& volume_id, const std::string& path) {
+  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+  if (ep == endpoints_.end() || ep->second.endpoint->served()) return;
+  if (!busy_.insert(volume_id).second) {
+    // An RPC on this volume is in progress; look again shortly.
+    ep->second.timeout = loop_.AddTimer(std::chrono::seconds(1), [this, volume_id, path] {
+      OnHandoffTimeout(volume_id, path);
+    });
+    return;
+  }
+  LOG(WARNING) << "volume " << volume_id << ": no FUSE server claimed " << path << " within "
+               << absl::FormatDuration(options_.handoff_timeout) << "; aborting and unmounting it";
+  StopEndpoint(volume_id, path);
+  auto it = volumes_.find(volume_id);
+  if (it == volumes_.end()) {
+    busy_.erase(volume_id);
+    return;
+  }
+  state::Volume v = it->second;
+  const bool staging = v.staging_path() == path;
+  RunJob<std::optional<state::Volume>>(
+      volume_id, "handoff timeout",
+      [ctx = ctx_, v, path, staging]() mutable -> absl::StatusOr<std::optional<state::Volume>> {
+        state::MountIdentity id = v.staging_mount();
+        for (const auto& t : v.targets()) {
+          if (t.path() == path) id = t.mount();
+        }
+        if (auto s = TearDownFuseMountBlocking(ctx, path, id, v, /*socket_in_kubelet_dir=*/!staging); !s.ok()) {
+          return s;
+        }
+        if (staging) {
+          v.clear_staging_path();
+          v.clear_staging_mount();
+          v.clear_staging_fingerprint();
+          if (v.targets_size() == 0) {
+            if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
+            return std::optional<state::Volume>();
+          }
+          if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+          return std::optional<state::Volume>(v);
+        }
+        return UnpublishBlocking(ctx, std::move(v), path);
+      },
+      [this, volume_id](std::optional<state::Volume> v) {
+        if (v.has_value()) {
+          volumes_[volume_id] = std::move(*v);
+        } else {
+          volumes_.erase(volume_id);
+        }
+        return absl::OkStatus();
+      },
+      [volume_id](absl::Status s) {
+        if (!s.ok()) LOG(ERROR) << "tearing down unclaimed volume " << volume_id << ": " << s;
+      });
+}
+
 void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  auto spec = ParseContext(req.volume_context());
+  auto spec = ParseSpec(req.volume_context(), req.volume_capability());
   if (!spec.ok()) return done(spec.status());
-  auto bind = ParseBindOptions(req.volume_capability(), false);
-  if (!bind.ok()) return done(bind.status());
   if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
     return done(rel.status());
+  }
+  std::optional<BindOptions> bind;
+  if (spec->kind == kKindHostPath) {
+    auto b = ParseBindOptions(req.volume_capability(), false);
+    if (!b.ok()) return done(b.status());
+    bind = *b;
   }
   for (const auto& [other, v] : volumes_) {
     if (other != id && v.staging_path() == req.staging_target_path()) {
@@ -215,6 +432,7 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
   const std::string fp = Fingerprint(*spec, req.volume_capability(), false, "");
   std::optional<state::Volume> previous;
   state::Volume v;
+  bool repeat = false;
   auto it = volumes_.find(id);
   if (it != volumes_.end()) {
     previous = it->second;
@@ -228,7 +446,7 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
         return done(absl::AlreadyExistsError(absl::StrCat(
             "volume ", id, " is already staged at this path with different parameters")));
       }
-      // A repeat: StageBlocking adopts the existing mount (or remakes a lost one).
+      repeat = true;
     } else if (v.targets_size() > 0) {
       return done(absl::AlreadyExistsError(
           absl::StrCat("volume ", id, " is published as an ephemeral (unstaged) volume")));
@@ -236,12 +454,20 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
   } else {
     v.set_volume_id(id);
   }
-  v.set_kind(kKindHostPath);
-  v.set_host_path(spec->path);
-  v.set_host_path_type(spec->type);
+  ApplySpec(*spec, &v);
   v.set_staging_path(req.staging_target_path());
   v.set_staging_fingerprint(fp);
   if (auto s = Claim(id); !s.ok()) return done(s);
+  if (spec->kind == kKindFuse) {
+    if (repeat) {
+      // Already mounted by us: nothing to redo (a lost mount is the recovery work's to heal).
+      busy_.erase(id);
+      return done(absl::OkStatus());
+    }
+    v.mutable_fuse()->set_socket_path(
+        absl::StrCat(options_.socket_dir, "/", Sha256Hex(id).substr(0, 32), ".sock"));
+    return StageFuse(req, std::move(v), std::move(previous), std::move(done));
+  }
   RunVolumeJob(
       id, "NodeStageVolume",
       [ctx = ctx_, v = std::move(v), previous = std::move(previous), bind = *bind]() mutable
@@ -249,6 +475,29 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
         auto r = StageBlocking(ctx, std::move(v), std::move(previous), bind);
         if (!r.ok()) return r.status();
         return std::optional<state::Volume>(std::move(*r));
+      },
+      std::move(done));
+}
+
+void VolumeManager::StageFuse(const csi::v1::NodeStageVolumeRequest& req, state::Volume v,
+                              std::optional<state::Volume> previous, Done done) {
+  std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
+  std::vector<std::string> options(req.volume_capability().mount().mount_flags().begin(),
+                                   req.volume_capability().mount().mount_flags().end());
+  const std::string id = v.volume_id();
+  RunJob<std::shared_ptr<FuseMounted>>(
+      id, "NodeStageVolume (fuse)",
+      [ctx = ctx_, v = std::move(v), previous = std::move(previous)]() mutable
+      -> absl::StatusOr<std::shared_ptr<FuseMounted>> {
+        auto m = MountFuseVolumeBlocking(ctx, std::move(v), -1, std::move(previous), false);
+        if (!m.ok()) return m.status();
+        return std::make_shared<FuseMounted>(std::move(*m));
+      },
+      [this, secrets, options](std::shared_ptr<FuseMounted> m) {
+        volumes_[m->volume.volume_id()] = m->volume;
+        StartEndpoint(m->volume, m->volume.staging_path(), std::move(m->fuse_fd), std::move(m->listen_fd),
+                      secrets, options);
+        return absl::OkStatus();
       },
       std::move(done));
 }
@@ -285,9 +534,17 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
         " target(s), e.g. ", v.targets(0).path(), "; unpublish them first")));
   }
   if (auto s = Claim(id); !s.ok()) return done(s);
+  if (IsFuse(v)) StopEndpoint(id, v.staging_path());
   RunVolumeJob(
       id, "NodeUnstageVolume",
       [ctx = ctx_, v]() -> absl::StatusOr<std::optional<state::Volume>> {
+        if (IsFuse(v)) {
+          if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(), v, false); !s.ok()) {
+            return s;
+          }
+          if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
+          return std::optional<state::Volume>();
+        }
         if (auto s = UnstageBlocking(ctx, v); !s.ok()) return s;
         return std::optional<state::Volume>();
       },
@@ -298,8 +555,6 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
   const std::string& id = req.volume_id();
   const std::string& target = req.target_path();
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
-  auto bind = ParseBindOptions(req.volume_capability(), req.readonly());
-  if (!bind.ok()) return done(bind.status());
   const bool staged = !req.staging_target_path().empty();
   if (staged) {
     if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
@@ -309,7 +564,7 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
 
   std::optional<state::Volume> previous;
   state::Volume v;
-  HostPathSpec spec;
+  VolumeSpec spec;
   auto it = volumes_.find(id);
   if (staged) {
     if (it == volumes_.end() || it->second.staging_path().empty()) {
@@ -320,14 +575,18 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
           "volume ", id, " is staged at ", it->second.staging_path(), ", not at ",
           req.staging_target_path())));
     }
-    spec = {it->second.host_path(), it->second.host_path_type()};
+    spec.kind = it->second.kind().empty() ? kKindHostPath : it->second.kind();
+    spec.path = it->second.host_path();
+    spec.type = it->second.host_path_type();
+    spec.fuse = it->second.fuse();
+    spec.fuse.clear_socket_path();
   } else {
-    auto parsed = ParseContext(req.volume_context());
+    auto parsed = ParseSpec(req.volume_context(), req.volume_capability());
     if (!parsed.ok()) return done(parsed.status());
     spec = *parsed;
-    // Unstaged host-path volumes are chosen by pod authors (CSI inline volumes), not by the
-    // administrator who creates PersistentVolumes: only allowed below configured prefixes.
-    if (!EphemeralHostPathAllowed(ctx_, spec.path)) {
+    if (spec.kind == kKindHostPath && !EphemeralHostPathAllowed(ctx_, spec.path)) {
+      // Unstaged host-path volumes are chosen by pod authors (CSI inline volumes), not by the
+      // administrator who creates PersistentVolumes: only allowed below configured prefixes.
       return done(absl::PermissionDeniedError(absl::StrCat(
           "unstaged (ephemeral inline) hostPath volumes may only use paths below "
           "--ephemeral_host_path_prefixes", ctx_.ephemeral_host_path_prefixes.empty() ? " (none set)" : "",
@@ -338,14 +597,20 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
           "volume ", id, " is staged at ", it->second.staging_path(),
           "; NodePublishVolume must pass that staging_target_path")));
     }
-    if (it != volumes_.end() && (it->second.host_path() != spec.path ||
+    if (it != volumes_.end() && (it->second.kind() != spec.kind || it->second.host_path() != spec.path ||
                                  it->second.host_path_type() != spec.type)) {
       return done(absl::AlreadyExistsError(
           absl::StrCat("volume ", id, " is already published with a different volume_context")));
     }
   }
-  const std::string fp =
-      Fingerprint(spec, req.volume_capability(), req.readonly(), req.staging_target_path());
+  const bool fuse_inline = !staged && spec.kind == kKindFuse;
+  std::optional<BindOptions> bind;
+  if (!fuse_inline) {
+    auto b = ParseBindOptions(req.volume_capability(), req.readonly());
+    if (!b.ok()) return done(b.status());
+    bind = *b;
+  }
+  const std::string fp = Fingerprint(spec, req.volume_capability(), req.readonly(), req.staging_target_path());
   std::string owner;
   const state::Target* existing = FindTargetOwner(target, &owner);
   if (existing != nullptr && owner != id) {
@@ -361,23 +626,47 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     v = it->second;
   } else {
     v.set_volume_id(id);
-    v.set_kind(kKindHostPath);
-    v.set_host_path(spec.path);
-    v.set_host_path_type(spec.type);
+    ApplySpec(spec, &v);
   }
   int index = -1;
   for (int i = 0; i < v.targets_size(); ++i) {
     if (v.targets(i).path() == target) index = i;
   }
+  const bool repeat = index >= 0;
   if (index < 0) {
     state::Target* t = v.add_targets();
     t->set_path(target);
-    t->set_readonly(bind->read_only);
+    t->set_readonly(bind ? bind->read_only : req.readonly());
     t->set_fingerprint(fp);
     index = v.targets_size() - 1;
   }
-  // A repeat of a completed publish re-checks the mount (PublishBlocking adopts it).
   if (auto s = Claim(id); !s.ok()) return done(s);
+  if (fuse_inline) {
+    if (repeat) {
+      busy_.erase(id);
+      return done(absl::OkStatus());
+    }
+    const std::string pod_uid = Get(req.volume_context(), kPodUidKey);
+    absl::Status bad;
+    if (auto s = CheckName(pod_uid, kPodUidKey); !s.ok()) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "inline FUSE volumes need the pod's uid in volume_context (CSIDriver podInfoOnMount: true): ",
+          s.message()));
+    } else if (auto s2 = CheckName(spec.socket_volume, "volume_context.socketVolume"); !s2.ok()) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "inline FUSE volumes need volume_context.socketVolume, the emptyDir shared with the "
+          "server sidecar: ", s2.message()));
+    }
+    if (!bad.ok()) {
+      busy_.erase(id);
+      return done(bad);
+    }
+    v.mutable_fuse()->set_socket_path(absl::StrCat(kubelet_.path(), "/pods/", pod_uid,
+                                                   "/volumes/kubernetes.io~empty-dir/", spec.socket_volume,
+                                                   "/", spec.socket_name));
+    return PublishFuseInline(req, std::move(v), index, std::move(previous), std::move(done));
+  }
+  // A repeat of a completed publish re-checks the mount (PublishBlocking adopts it).
   RunVolumeJob(
       id, "NodePublishVolume",
       [ctx = ctx_, v = std::move(v), index, previous = std::move(previous), bind = *bind]() mutable
@@ -389,17 +678,42 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
       std::move(done));
 }
 
+void VolumeManager::PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v,
+                                      int index, std::optional<state::Volume> previous, Done done) {
+  std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
+  std::vector<std::string> options(req.volume_capability().mount().mount_flags().begin(),
+                                   req.volume_capability().mount().mount_flags().end());
+  const std::string id = v.volume_id();
+  const std::string target = v.targets(index).path();
+  RunJob<std::shared_ptr<FuseMounted>>(
+      id, "NodePublishVolume (fuse)",
+      [ctx = ctx_, v = std::move(v), index, previous = std::move(previous)]() mutable
+      -> absl::StatusOr<std::shared_ptr<FuseMounted>> {
+        auto m = MountFuseVolumeBlocking(ctx, std::move(v), index, std::move(previous), true);
+        if (!m.ok()) return m.status();
+        return std::make_shared<FuseMounted>(std::move(*m));
+      },
+      [this, secrets, options, target](std::shared_ptr<FuseMounted> m) {
+        volumes_[m->volume.volume_id()] = m->volume;
+        StartEndpoint(m->volume, target, std::move(m->fuse_fd), std::move(m->listen_fd), secrets, options);
+        return absl::OkStatus();
+      },
+      std::move(done));
+}
+
 void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
   const std::string& target = req.target_path();
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
   if (auto s = Claim(id); !s.ok()) return done(s);
   auto it = volumes_.find(id);
-  bool known_target = false;
+  const state::Target* known = nullptr;
   if (it != volumes_.end()) {
-    for (const auto& t : it->second.targets()) known_target |= t.path() == target;
+    for (const auto& t : it->second.targets()) {
+      if (t.path() == target) known = &t;
+    }
   }
-  if (!known_target) {
+  if (known == nullptr) {
     // A repeat (already unpublished) or a target we never published: OK if nothing is mounted.
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
@@ -411,9 +725,16 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
         },
         std::move(done));
   }
+  const bool fuse_inline = IsFuse(it->second) && it->second.staging_path().empty();
+  if (fuse_inline) StopEndpoint(id, target);
   RunVolumeJob(
       id, "NodeUnpublishVolume",
-      [ctx = ctx_, v = it->second, target]() mutable {
+      [ctx = ctx_, v = it->second, target, fuse_inline, id_of_mount = known->mount()]() mutable
+      -> absl::StatusOr<std::optional<state::Volume>> {
+        if (fuse_inline) {
+          // The pod is going away with its sidecar: abort the connection, then unmount.
+          if (auto s = TearDownFuseMountBlocking(ctx, target, id_of_mount, v, true); !s.ok()) return s;
+        }
         return UnpublishBlocking(ctx, std::move(v), target);
       },
       std::move(done));
@@ -443,6 +764,18 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
   }
   if (!found) {
     return done(absl::NotFoundError(absl::StrCat("volume ", req.volume_id(), " is not mounted at ", path)));
+  }
+  if (IsFuse(v)) {
+    // A FUSE mount whose server never connected would make statfs wait: say so instead.
+    const std::string served_path = v.staging_path().empty() ? path : v.staging_path();
+    auto ep = endpoints_.find(EndpointKey(v.volume_id(), served_path));
+    if (ep != endpoints_.end() && !ep->second.endpoint->served()) {
+      csi::v1::NodeGetVolumeStatsResponse resp;
+      resp.mutable_volume_condition()->set_abnormal(true);
+      resp.mutable_volume_condition()->set_message(absl::StrCat(
+          "no FUSE server has connected to ", v.fuse().socket_path(), " yet"));
+      return done(resp);
+    }
   }
   // Exactly one answer: the statfs result or the deadline, whichever comes first.
   struct Race {

@@ -3,7 +3,12 @@
 // different volumes never wait on each other), decides idempotent repeats and conflicts from that
 // state, and runs the blocking halves (agent/volume/volume_ops) on the BlockingPool.
 //
-// Volume kinds: `hostPath` (volume_context: kind=hostPath, path, type).
+// Volume kinds:
+//  - `hostPath` (volume_context: kind=hostPath, path, type);
+//  - `fuse` (volume_context: kind=fuse, serverUid, serverGid, subtype, passSecrets; inline volumes
+//    also socketVolume (the pod's emptyDir shared with the sidecar server) and socketName). The
+//    agent mounts /dev/fuse itself and hands the fd to the server over a HandoffEndpoint; an
+//    unclaimed volume is torn down after handoff_timeout.
 #pragma once
 
 #include <map>
@@ -15,10 +20,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/loop/blocking_pool.h"
+#include "agent/fuse/handoff_endpoint.h"
 #include "agent/loop/loop.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
 #include "agent/volume/state_store.h"
+#include "agent/volume/fuse_volume_ops.h"
 #include "agent/volume/volume_ops.h"
 #include "proto/csi.pb.h"
 #include "proto/state.pb.h"
@@ -30,6 +37,12 @@ struct VolumeManagerOptions {
   absl::Duration stats_timeout = absl::Seconds(5);
   // See VolumeOpsContext::ephemeral_host_path_prefixes.
   std::vector<std::string> ephemeral_host_path_prefixes;
+  // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
+  std::string socket_dir = "/var/lib/fusekeeper/sockets";
+  // A FUSE volume no server has claimed by then is aborted, unmounted and forgotten.
+  absl::Duration handoff_timeout = absl::Minutes(5);
+  // How long a connected server has to answer the handoff.
+  absl::Duration handoff_reply_timeout = absl::Seconds(10);
 };
 
 class VolumeManager {
@@ -58,9 +71,25 @@ class VolumeManager {
  private:
   // Marks volume_id busy for the duration; ABORTED if it already is, UNAVAILABLE before Start.
   absl::Status Claim(const std::string& volume_id);
-  // Runs `work` on the pool; on the loop, releases the claim, stores the new state and calls done.
+  // Runs `work` on the pool; then, on the loop, releases the claim and passes its result to
+  // `adopt` (which stores state, starts endpoints...) and adopt's status to done.
+  template <typename T>
+  void RunJob(const std::string& volume_id, std::string reason, absl::AnyInvocable<absl::StatusOr<T>()> work,
+              absl::AnyInvocable<absl::Status(T)> adopt, Done done);
+  // RunJob whose result is the volume's new state (nullopt: the volume is gone).
   void RunVolumeJob(const std::string& volume_id, std::string reason,
                     absl::AnyInvocable<absl::StatusOr<std::optional<state::Volume>>()> work, Done done);
+  // FUSE: endpoints by volume and mount path.
+  static std::string EndpointKey(const std::string& volume_id, const std::string& path);
+  void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd,
+                     UniqueFd listen_fd, const std::map<std::string, std::string>& secrets,
+                     const std::vector<std::string>& mount_options);
+  void StopEndpoint(const std::string& volume_id, const std::string& path);
+  void OnHandoffTimeout(const std::string& volume_id, const std::string& path);
+  void StageFuse(const csi::v1::NodeStageVolumeRequest& req, state::Volume v,
+                 std::optional<state::Volume> previous, Done done);
+  void PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v, int index,
+                         std::optional<state::Volume> previous, Done done);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
 
   Loop& loop_;
@@ -73,6 +102,11 @@ class VolumeManager {
   bool ready_ = false;
   std::map<std::string, state::Volume> volumes_;
   std::unordered_set<std::string> busy_;
+  struct Endpoint {
+    std::shared_ptr<HandoffEndpoint> endpoint;
+    TimerId timeout = 0;
+  };
+  std::map<std::string, Endpoint> endpoints_;
 };
 
 }  // namespace fusekeeper

@@ -1,0 +1,37 @@
+// The blocking halves of FUSE volume operations (BlockingPool only). A FUSE volume is mounted by
+// the agent (a fresh /dev/fuse connection, fd=N) on its staging path or, for an unstaged inline
+// volume, on the pod's target path; its handoff socket is created where the server can reach it:
+// the pod's emptyDir (inline volumes, a sidecar server) or the agent's socket dir (staged volumes,
+// a node-level server). Nothing here ever waits on the FUSE server.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "agent/base/unique_fd.h"
+#include "agent/volume/volume_ops.h"
+#include "proto/state.pb.h"
+
+namespace fusekeeper {
+
+struct FuseMounted {
+  state::Volume volume;  // with the new mount's identity recorded
+  UniqueFd fuse_fd;      // the agent's own fd on the connection (for the handoff endpoint)
+  UniqueFd listen_fd;    // the handoff socket, listening
+};
+
+// target_index < 0: mount at the staging path; else at volume.targets(target_index).
+// volume.fuse().socket_path() must be set; `socket_in_kubelet_dir` says it is a pod's emptyDir
+// (opened beneath the kubelet dir without symlinks; owned by root or the server's uid).
+absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx, state::Volume volume,
+                                                    int target_index, std::optional<state::Volume> previous,
+                                                    bool socket_in_kubelet_dir);
+
+// Ends the FUSE mount at `path` (RPC form): aborts the connection (so no process and no agent
+// thread can stay blocked on it), unmounts it, removes the handoff socket. Idempotent.
+absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::string& path,
+                                       const state::MountIdentity& id, const state::Volume& volume,
+                                       bool socket_in_kubelet_dir);
+
+}  // namespace fusekeeper
