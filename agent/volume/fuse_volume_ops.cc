@@ -146,7 +146,13 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
 absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::string& path,
                                        const state::MountIdentity& id, const state::Volume& v,
                                        bool socket_in_kubelet_dir) {
-  // Abort first: a dead or hung server then cannot keep the unmount (or anyone) waiting.
+  // The socket first, so no server can connect to a volume that is going away. Unlinked through
+  // its directory, never following a symlink.
+  if (!v.fuse().socket_path().empty()) {
+    auto dir = OpenSocketDirBlocking(ctx, v, socket_in_kubelet_dir);
+    if (dir.ok()) unlinkat(dir->get(), Name(v.fuse().socket_path()).c_str(), 0);
+  }
+  // Abort next: a dead or hung server then cannot keep the unmount (or anyone) waiting.
   absl::Status aborted = AbortFuseConnectionBlocking(id.dev_minor());
   if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
     LOG(WARNING) << "aborting FUSE connection " << id.dev_minor() << " of " << path << ": " << aborted;
@@ -165,11 +171,6 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
       absl::Status s = UnmountAtBlocking(parent->get(), name, ctx.kubelet->MountTablePath(path));
       if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
     }
-  }
-  // The socket file: unlinked through its directory, never following a symlink.
-  if (!v.fuse().socket_path().empty()) {
-    auto dir = OpenSocketDirBlocking(ctx, v, socket_in_kubelet_dir);
-    if (dir.ok()) unlinkat(dir->get(), Name(v.fuse().socket_path()).c_str(), 0);
   }
   return absl::OkStatus();
 }

@@ -56,7 +56,9 @@ absl::StatusOr<StateStore> StateStore::Open(const std::string& dir) {
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("--state_dir '", dir, "' must be absolute"));
   }
-  if (auto s = MkdirIfMissing(dir, 0700); !s.ok()) return s;
+  // 0711: unprivileged FUSE servers must reach <dir>/sockets (each socket is 0600 and theirs);
+  // nobody but root may list anything, and volumes/ itself is 0700.
+  if (auto s = MkdirIfMissing(dir, 0711); !s.ok()) return s;
   const std::string volumes = dir + "/volumes";
   if (auto s = MkdirIfMissing(volumes, 0700); !s.ok()) return s;
   DIR* d = opendir(volumes.c_str());

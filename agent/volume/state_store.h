@@ -15,7 +15,8 @@ namespace fusekeeper {
 
 class StateStore {
  public:
-  // Blocking. Creates <dir>/volumes (0700) and removes temp files a killed writer left behind.
+  // Blocking. Creates <dir> (0711) and <dir>/volumes (0700), and removes temp files a killed
+  // writer left behind.
   static absl::StatusOr<StateStore> Open(const std::string& dir);
 
   absl::Status SaveBlocking(const state::Volume& volume) const;

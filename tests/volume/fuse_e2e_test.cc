@@ -1,0 +1,353 @@
+// FUSE volumes end to end: the real agent binary and the real reference server (fkserve, run
+// unprivileged as uid 65534) in this test's private mount namespace, with a real /dev/fuse.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/volume/state_store.h"
+#include "gtest/gtest.h"
+#include "proto/csi.grpc.pb.h"
+#include "tests/testing/csi_client.h"
+#include "tests/testing/loop_thread.h"
+#include "tests/testing/mount_fixture.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+namespace {
+
+using namespace csi::v1;
+namespace fs = std::filesystem;
+constexpr uid_t kServerUid = 65534;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// Waits (on POLLPRI from /proc/self/mountinfo, no sleeping) until `path` has `n` mounts.
+bool WaitForMountCount(const std::string& path, int n) {
+  UniqueFd fd(open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC));
+  auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+  while (MountCountAt(path) != n) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd.get(), POLLPRI, 0};
+    poll(&p, 1, static_cast<int>(left.count()));
+    char buf[4096];
+    lseek(fd.get(), 0, SEEK_SET);
+    while (read(fd.get(), buf, sizeof(buf)) > 0) {
+    }
+  }
+  return true;
+}
+
+// Runs fn on another thread; returns its result, or nullopt if it does not finish in time.
+template <typename F>
+auto WithDeadline(F fn, std::chrono::milliseconds limit = std::chrono::milliseconds(kTestDeadline))
+    -> std::optional<decltype(fn())> {
+  auto task = std::make_shared<std::packaged_task<decltype(fn())()>>(std::move(fn));
+  auto f = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (f.wait_for(limit) != std::future_status::ready) return std::nullopt;
+  return f.get();
+}
+
+class FuseE2ETest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse";
+    kubelet_ = root_.path() + "/kubelet";
+    state_ = root_.path() + "/state";
+    export_ = root_.path() + "/export";
+    fs::create_directories(kubelet_ + "/pods");
+    fs::create_directories(export_);
+    chmod(root_.path().c_str(), 0755);
+    chown(export_.c_str(), kServerUid, kServerUid);
+    { std::ofstream(export_ + "/hello.txt") << "hello from the export\n"; }
+    chown((export_ + "/hello.txt").c_str(), kServerUid, kServerUid);
+    // The unprivileged server needs a copy of its binary outside /root.
+    fkserve_ = root_.path() + "/fkserve";
+    fs::copy_file(RunfilePath("agent/fkserve/fkserve"), fkserve_);
+    chmod(fkserve_.c_str(), 0755);
+  }
+  void TearDown() override {
+    for (auto& s : servers_) s->Signal(SIGKILL);
+    servers_.clear();
+    if (agent_) {
+      agent_->Signal(SIGTERM);
+      agent_->Wait(std::chrono::milliseconds(20000));
+    }
+  }
+
+  void StartAgent(std::vector<std::string> extra = {}) {
+    std::vector<std::string> cmd = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_.path() + "/csi.sock",
+                                    "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + state_,
+                                    "--stats_timeout_ms=1000"};
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    agent_ = std::make_unique<Subprocess>(cmd);
+    channel_ = DialUnixSocket(root_.path() + "/csi.sock");
+    ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline)) << agent_->Stderr();
+    node_ = Node::NewStub(channel_);
+    auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    while (true) {
+      ProbeResponse p;
+      grpc::ClientContext c;
+      if (Identity::NewStub(channel_)->Probe(&c, {}, &p).ok() && p.ready().value()) break;
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline);
+    }
+  }
+  Subprocess* StartServer(const std::string& socket, std::vector<std::string> mode = {}) {
+    if (mode.empty()) mode = {"serve", "--root=" + export_};
+    std::vector<std::string> cmd = {fkserve_, "--socket=" + socket};
+    cmd.insert(cmd.end(), mode.begin(), mode.end());
+    servers_.push_back(std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [] {
+      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
+        _exit(99);
+      }
+    }));
+    return servers_.back().get();
+  }
+
+  std::unique_ptr<grpc::ClientContext> Ctx() {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + kTestDeadline);
+    return c;
+  }
+  std::map<std::string, std::string> FuseContext() {
+    return {{"kind", "fuse"}, {"serverUid", std::to_string(kServerUid)}, {"bucket", "demo"}};
+  }
+  // A pod with an emptyDir "fk" for the handoff socket; returns its target path for volume `vol`.
+  std::string Pod(const std::string& uid, const std::string& vol) {
+    fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk");
+    chmod((kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk").c_str(), 0777);
+    fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/" + vol);
+    return kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/" + vol + "/mount";
+  }
+  std::string PodSocket(const std::string& uid) {
+    return kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk/fusekeeper.sock";
+  }
+  grpc::Status PublishInline(const std::string& id, const std::string& pod, const std::string& target,
+                             bool readonly = false, const std::string& fs_group = "") {
+    NodePublishVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_target_path(target);
+    r.set_readonly(readonly);
+    *r.mutable_volume_capability() = MountCapability();
+    r.mutable_volume_capability()->mutable_mount()->set_volume_mount_group(fs_group);
+    for (const auto& [k, v] : FuseContext()) (*r.mutable_volume_context())[k] = v;
+    (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = pod;
+    (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
+    (*r.mutable_volume_context())["socketVolume"] = "fk";
+    NodePublishVolumeResponse resp;
+    auto c = Ctx();
+    return node_->NodePublishVolume(c.get(), r, &resp);
+  }
+  // Retries ABORTED (an operation on the volume in flight), as kubelet does.
+  grpc::Status Unpublish(const std::string& id, const std::string& target) {
+    NodeUnpublishVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_target_path(target);
+    auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    while (true) {
+      NodeUnpublishVolumeResponse resp;
+      auto c = Ctx();
+      grpc::Status s = node_->NodeUnpublishVolume(c.get(), r, &resp);
+      if (s.error_code() != grpc::ABORTED || std::chrono::steady_clock::now() > deadline) return s;
+    }
+  }
+  NodeGetVolumeStatsResponse Stats(const std::string& id, const std::string& path) {
+    NodeGetVolumeStatsRequest r;
+    r.set_volume_id(id);
+    r.set_volume_path(path);
+    NodeGetVolumeStatsResponse resp;
+    auto c = Ctx();
+    grpc::Status s = node_->NodeGetVolumeStats(c.get(), r, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  TmpfsDir root_;
+  std::string kubelet_, state_, export_, fkserve_;
+  std::unique_ptr<Subprocess> agent_;
+  std::vector<std::unique_ptr<Subprocess>> servers_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<Node::Stub> node_;
+};
+
+#define ASSERT_RPC_OK(expr)                                        \
+  do {                                                             \
+    grpc::Status _s = (expr);                                      \
+    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.error_message();   \
+  } while (0)
+
+TEST_F(FuseE2ETest, InlineVolumePublishedBeforeItsSidecarThenServedUnprivileged) {
+  StartAgent();
+  const std::string target = Pod("pod-1", "vol");
+  // NodePublish returns although no server exists yet (the sidecar starts after it).
+  ASSERT_RPC_OK(PublishInline("inline-1", "pod-1", target));
+  EXPECT_EQ(MountCountAt(target), 1);
+  EXPECT_TRUE(Stats("inline-1", target).volume_condition().abnormal()) << "no server yet";
+  struct stat st;
+  ASSERT_EQ(lstat(PodSocket("pod-1").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, kServerUid) << "the socket belongs to the sidecar's user";
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // Reads wait for the server; it starts now and serves the export.
+  Subprocess* server = StartServer(PodSocket("pod-1"));
+  auto content = WithDeadline([&] { return ReadFile(target + "/hello.txt"); });
+  ASSERT_TRUE(content.has_value()) << "read through the FUSE mount never completed\n" << server->Stderr();
+  EXPECT_EQ(*content, "hello from the export\n");
+  { std::ofstream(target + "/from-pod.txt") << "written through FUSE by the pod\n"; }
+  EXPECT_EQ(ReadFile(export_ + "/from-pod.txt"), "written through FUSE by the pod\n");
+  auto stats = Stats("inline-1", target);
+  EXPECT_FALSE(stats.volume_condition().abnormal()) << stats.volume_condition().message();
+  ASSERT_RPC_OK(Unpublish("inline-1", target));
+  EXPECT_EQ(MountCountAt(target), 0);
+  EXPECT_FALSE(fs::exists(target));
+  EXPECT_FALSE(fs::exists(PodSocket("pod-1"))) << "the handoff socket is removed";
+  EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value()) << "the server did not end";
+  EXPECT_TRUE(fs::exists(export_ + "/from-pod.txt")) << "no data lost";
+}
+
+TEST_F(FuseE2ETest, StagedVolumeSharedByTwoPodsServedByANodeLevelServer) {
+  StartAgent();
+  const std::string staging = kubelet_ + "/plugins/kubernetes.io/csi/fusekeeper.csi/s1/globalmount";
+  fs::create_directories(staging);
+  NodeStageVolumeRequest stage;
+  stage.set_volume_id("staged-1");
+  stage.set_staging_target_path(staging);
+  *stage.mutable_volume_capability() = MountCapability();
+  for (const auto& [k, v] : FuseContext()) (*stage.mutable_volume_context())[k] = v;
+  {
+    NodeStageVolumeResponse resp;
+    auto c = Ctx();
+    grpc::Status s = node_->NodeStageVolume(c.get(), stage, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message() << agent_->Stderr();
+  }
+  const std::string socket = state_ + "/sockets/" + Sha256Hex("staged-1").substr(0, 32) + ".sock";
+  ASSERT_TRUE(fs::is_socket(socket));
+  Subprocess* server = StartServer(socket);
+  const std::string t1 = Pod("pod-a", "v"), t2 = Pod("pod-b", "v");
+  for (const std::string& t : {t1, t2}) {
+    NodePublishVolumeRequest r;
+    r.set_volume_id("staged-1");
+    r.set_staging_target_path(staging);
+    r.set_target_path(t);
+    *r.mutable_volume_capability() = MountCapability();
+    NodePublishVolumeResponse resp;
+    auto c = Ctx();
+    ASSERT_RPC_OK(node_->NodePublishVolume(c.get(), r, &resp));
+  }
+  auto wrote = WithDeadline([&] {
+    std::ofstream(t1 + "/shared.txt") << "written in pod a\n";
+    return true;
+  });
+  ASSERT_TRUE(wrote.has_value()) << server->Stderr();
+  EXPECT_EQ(ReadFile(t2 + "/shared.txt"), "written in pod a\n") << "read back through pod b";
+  EXPECT_EQ(ReadFile(export_ + "/shared.txt"), "written in pod a\n");
+  ASSERT_RPC_OK(Unpublish("staged-1", t1));
+  ASSERT_RPC_OK(Unpublish("staged-1", t2));
+  NodeUnstageVolumeRequest unstage;
+  unstage.set_volume_id("staged-1");
+  unstage.set_staging_target_path(staging);
+  NodeUnstageVolumeResponse resp;
+  auto c = Ctx();
+  ASSERT_RPC_OK(node_->NodeUnstageVolume(c.get(), unstage, &resp));
+  EXPECT_EQ(MountCountAt(staging), 0);
+  EXPECT_FALSE(fs::exists(socket));
+  EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+}
+
+TEST_F(FuseE2ETest, ReadOnlyAndFsGroup) {
+  StartAgent();
+  const std::string target = Pod("pod-ro", "vol");
+  ASSERT_RPC_OK(PublishInline("ro-1", "pod-ro", target, /*readonly=*/true, /*fs_group=*/"4321"));
+  StartServer(PodSocket("pod-ro"));
+  auto st = WithDeadline([&] {
+    struct stat s{};
+    stat((target + "/hello.txt").c_str(), &s);
+    return s;
+  });
+  ASSERT_TRUE(st.has_value());
+  EXPECT_EQ(st->st_gid, 4321u) << "presented with the pod's fsGroup (VOLUME_MOUNT_GROUP)";
+  EXPECT_LT(open((target + "/nope").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644), 0);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(PublishInline("bad-group", "pod-ro", Pod("pod-ro", "other"), false, "staff").error_code(),
+            grpc::INVALID_ARGUMENT);
+  ASSERT_RPC_OK(Unpublish("ro-1", target));
+}
+
+TEST_F(FuseE2ETest, AVolumeNoServerClaimsIsTornDownAfterTheHandoffTimeout) {
+  StartAgent({"--handoff_timeout_ms=300"});
+  const std::string target = Pod("pod-lonely", "vol");
+  ASSERT_RPC_OK(PublishInline("lonely", "pod-lonely", target));
+  EXPECT_EQ(MountCountAt(target), 1);
+  ASSERT_TRUE(WaitForMountCount(target, 0)) << "the unclaimed mount was not removed";
+  EXPECT_FALSE(fs::exists(PodSocket("pod-lonely")));
+  EXPECT_NE(agent_->Stderr().find("no FUSE server claimed"), std::string::npos);
+  // kubelet's later NodeUnpublish is still fine.
+  ASSERT_RPC_OK(Unpublish("lonely", target));
+  EXPECT_FALSE(fs::exists(target));
+}
+
+TEST_F(FuseE2ETest, ServerKilledMidReadRpcsAnswerStatsAbnormalUnpublishCompletes) {
+  StartAgent();
+  const std::string target = Pod("pod-k", "vol");
+  ASSERT_RPC_OK(PublishInline("killed", "pod-k", target));
+  Subprocess* server = StartServer(PodSocket("pod-k"));
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(target + "/hello.txt"); }).has_value());
+  server->Signal(SIGKILL);
+  ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+  // A reader now waits on the dead server (the agent keeps the connection open for recovery).
+  auto stuck = std::async(std::launch::async, [&] {
+    struct stat st;
+    return stat((target + "/another").c_str(), &st) == 0 ? 0 : errno;
+  });
+  // RPCs keep answering.
+  NodeGetInfoResponse info;
+  auto c = Ctx();
+  ASSERT_RPC_OK(node_->NodeGetInfo(c.get(), {}, &info));
+  auto stats = WithDeadline([&] { return Stats("killed", target); }, std::chrono::seconds(5));
+  ASSERT_TRUE(stats.has_value()) << "NodeGetVolumeStats did not answer within its deadline";
+  EXPECT_TRUE(stats->volume_condition().abnormal());
+  // Unpublish completes (abort + unmount), and the stuck reader is released.
+  auto unpublished = WithDeadline([&] { return Unpublish("killed", target); });
+  ASSERT_TRUE(unpublished.has_value()) << "NodeUnpublish hung on a dead FUSE server";
+  EXPECT_TRUE(unpublished->ok()) << unpublished->error_message();
+  ASSERT_EQ(stuck.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_NE(stuck.get(), 0);
+  EXPECT_EQ(MountCountAt(target), 0);
+}
+
+TEST_F(FuseE2ETest, GarbageOnTheHandoffSocketDoesNotDisturbTheVolume) {
+  StartAgent();
+  const std::string target = Pod("pod-g", "vol");
+  ASSERT_RPC_OK(PublishInline("garbage", "pod-g", target));
+  {
+    UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    strncpy(a.sun_path, PodSocket("pod-g").c_str(), sizeof(a.sun_path) - 1);
+    ASSERT_EQ(connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    auto m = ReceiveHandoffMessage(s.get());  // we are root: allowed, but we answer nonsense
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE(SendHandoffMessage(s.get(), "\x01\x02 not json", -1).ok());
+  }
+  StartServer(PodSocket("pod-g"));
+  auto content = WithDeadline([&] { return ReadFile(target + "/hello.txt"); });
+  ASSERT_TRUE(content.has_value());
+  EXPECT_EQ(*content, "hello from the export\n");
+  ASSERT_RPC_OK(Unpublish("garbage", target));
+}
+
+}  // namespace
+}  // namespace fusekeeper
