@@ -2,13 +2,14 @@
 # fusekeeper's main job on a machine without a cluster: install, build, start the node agent on a
 # local CSI socket, and drive it the way kubelet, node-driver-registrar and livenessprobe do, with
 # fkctl: a host-path volume is staged, published into two "pods", read and written through the
-# targets, unpublished and unstaged. Everything runs in a private mount namespace, so nothing it
+# targets, unpublished and unstaged; then a FUSE volume is published (the agent mounts /dev/fuse),
+# the reference server takes the connection unprivileged, and the pod reads through it. Everything runs in a private mount namespace, so nothing it
 # mounts touches the host. Ends with an orderly SIGTERM shutdown; exits non-zero on any surprise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${FUSEKEEPER_DEMO_NS:-}" ]; then
   bash scripts/setup.sh
-  bazel build //agent:fusekeeper //agent:fkctl
+  bazel build //agent:fusekeeper //agent:fkctl //agent/fkserve
   FUSEKEEPER_DEMO_NS=1 exec unshare --mount --propagation private bash "$0" "$@"
 fi
 
@@ -92,6 +93,37 @@ fkctl NodeUnstageVolume --volume_id=demo-vol --staging_target_path="$staging"
 [ ! -e "$t1" ] || fail "target path left behind"
 if grep -q -e " $staging " -e " $t1 " /proc/self/mountinfo; then fail "mount left behind"; fi
 echo "no mounts left; the data stays on the host: $(ls "$work/host/data" | tr '\n' ' ')"
+
+step "FUSE: NodePublishVolume of an inline FUSE volume (the agent mounts /dev/fuse itself)"
+pod="$kubelet/pods/pod-f"
+mkdir -p "$pod/volumes/kubernetes.io~empty-dir/fk" "$pod/volumes/kubernetes.io~csi/fuse"
+chmod 777 "$pod/volumes/kubernetes.io~empty-dir/fk"      # the emptyDir shared with the sidecar
+tf="$pod/volumes/kubernetes.io~csi/fuse/mount"
+mkdir -p "$work/export" && echo "served through FUSE by an unprivileged server" > "$work/export/readme.txt"
+chown -R 65534:65534 "$work/export"
+fkctl NodePublishVolume --volume_id=fuse-vol --target_path="$tf" \
+  --volume_context="kind=fuse,serverUid=65534,socketVolume=fk,csi.storage.k8s.io/pod.uid=pod-f"
+grep " $tf " /proc/self/mountinfo
+fkctl NodeGetVolumeStats --volume_id=fuse-vol --volume_path="$tf" | grep -A2 volumeCondition
+
+step "The reference server starts as uid 65534 and takes the fd from the pod's emptyDir socket"
+install -m 0755 bazel-bin/agent/fkserve/fkserve "$work/fkserve"   # outside /root, which it cannot read
+ls -l "$pod/volumes/kubernetes.io~empty-dir/fk/"
+setpriv --reuid=65534 --regid=65534 --clear-groups "$work/fkserve" \
+  --socket="$pod/volumes/kubernetes.io~empty-dir/fk/fusekeeper.sock" serve --root="$work/export" \
+  2>"$work/fkserve.log" &
+server=$!
+echo "pod reads: $(timeout 20 cat "$tf/readme.txt")" || fail "read through FUSE failed"
+echo "written by the pod through FUSE" > "$tf/from-pod.txt"
+echo "export holds: $(cat "$work/export/from-pod.txt") (owner $(stat -c %u "$work/export/from-pod.txt"))"
+fkctl NodeGetVolumeStats --volume_id=fuse-vol --volume_path="$tf" | grep -A2 volumeCondition
+
+step "NodeUnpublishVolume: abort the connection, unmount; the server ends"
+fkctl NodeUnpublishVolume --volume_id=fuse-vol --target_path="$tf"
+wait "$server" || true
+cat "$work/fkserve.log"
+if grep -q " $tf " /proc/self/mountinfo; then fail "FUSE mount left behind"; fi
+echo "FUSE mount gone"
 
 step "SIGTERM: orderly shutdown"
 kill -TERM "$pid"
