@@ -188,14 +188,19 @@ bool IsFuse(const state::Volume& v) { return v.kind() == kKindFuse; }
 
 VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& kubelet,
                              const StateStore& store, MountTableReader& table_reader,
-                             VolumeManagerOptions options)
+                             VolumeManagerOptions options, BlockingPool* probe_pool)
     : loop_(loop),
       pool_(pool),
       kubelet_(kubelet),
       store_(store),
       table_reader_(table_reader),
       options_(options),
-      ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes} {}
+      ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes},
+      own_probe_pool_(probe_pool != nullptr
+                          ? nullptr
+                          : std::make_unique<BlockingPool>(
+                                loop, BlockingPoolOptions{.threads = options.probe_threads, .max_queued = 64})),
+      probe_pool_(probe_pool != nullptr ? probe_pool : own_probe_pool_.get()) {}
 
 void VolumeManager::Start(Done done) {
   struct Loaded {
@@ -777,6 +782,15 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
       return done(resp);
     }
   }
+  if (probes_outstanding_.count(mount_path) > 0) {
+    // An earlier statfs of this mount has not returned: it is unresponsive, and a second probe
+    // would only pin another thread.
+    csi::v1::NodeGetVolumeStatsResponse resp;
+    resp.mutable_volume_condition()->set_abnormal(true);
+    resp.mutable_volume_condition()->set_message(absl::StrCat(
+        "an earlier statfs of ", path, " has not returned: the mount is unresponsive"));
+    return done(resp);
+  }
   // Exactly one answer: the statfs result or the deadline, whichever comes first.
   struct Race {
     StatsDone done;
@@ -795,15 +809,18 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
         ": the mount is unresponsive"));
     std::exchange(race->done, nullptr)(resp);
   });
-  absl::Status s = pool_.Submit(
+  probes_outstanding_.insert(mount_path);
+  absl::Status s = probe_pool_->Submit(
       "NodeGetVolumeStats",
       [ctx = ctx_, race, mount_path, id] { race->result = StatsBlocking(ctx, mount_path, id); },
-      [this, race](absl::Status ran) {
+      [this, race, mount_path](absl::Status ran) {
+        probes_outstanding_.erase(mount_path);
         if (!race->done) return;  // the deadline answered already
         loop_.CancelTimer(race->timer);
         std::exchange(race->done, nullptr)(ran.ok() ? std::move(race->result) : ran);
       });
   if (!s.ok()) {
+    probes_outstanding_.erase(mount_path);
     loop_.CancelTimer(race->timer);
     std::exchange(race->done, nullptr)(s);
   }

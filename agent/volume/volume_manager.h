@@ -43,6 +43,9 @@ struct VolumeManagerOptions {
   absl::Duration handoff_timeout = absl::Minutes(5);
   // How long a connected server has to answer the handoff.
   absl::Duration handoff_reply_timeout = absl::Seconds(10);
+  // Threads for file-system probes (statfs), which can hang on an unresponsive FUSE server; kept
+  // apart from the mount work's pool so that mount RPCs never wait behind them.
+  int probe_threads = 4;
 };
 
 class VolumeManager {
@@ -50,9 +53,11 @@ class VolumeManager {
   using Done = absl::AnyInvocable<void(absl::Status)>;
   using StatsDone = absl::AnyInvocable<void(absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>)>;
 
-  // All references must outlive the manager.
+  // All references must outlive the manager. `probe_pool` runs statfs probes; null: the manager
+  // makes its own (options.probe_threads).
   VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& kubelet, const StateStore& store,
-                MountTableReader& table_reader, VolumeManagerOptions options = {});
+                MountTableReader& table_reader, VolumeManagerOptions options = {},
+                BlockingPool* probe_pool = nullptr);
 
   // Loop thread. Loads saved state, reconciles it with the mount table (read through the ring),
   // and writes back what changed. RPCs before `done` get UNAVAILABLE.
@@ -107,6 +112,10 @@ class VolumeManager {
     TimerId timeout = 0;
   };
   std::map<std::string, Endpoint> endpoints_;
+  std::unique_ptr<BlockingPool> own_probe_pool_;
+  BlockingPool* probe_pool_;
+  // Mount paths with a statfs still outstanding (possibly hung): never more than one each.
+  std::unordered_set<std::string> probes_outstanding_;
 };
 
 }  // namespace fusekeeper

@@ -28,16 +28,19 @@ class VolumeManagerTest : public ::testing::Test {
     ASSERT_TRUE(st.ok());
     store_ = std::make_unique<StateStore>(std::move(*st));
     pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
+    probe_pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
     lt_.RunOnLoop([&] {
       auto r = MountTableReader::Create(lt_.loop());
       ASSERT_TRUE(r.ok());
       reader_ = std::move(*r);
       manager_ = std::make_unique<VolumeManager>(lt_.loop(), *pool_, *kubelet_, *store_, *reader_,
-                                                 VolumeManagerOptions{absl::Milliseconds(50)});
+                                                 VolumeManagerOptions{absl::Milliseconds(50)},
+                                                 probe_pool_.get());
     });
   }
   void TearDown() override {
     pool_->Shutdown(absl::Seconds(5));
+    probe_pool_->Shutdown(absl::Seconds(5));
     lt_.StopAndJoin();
   }
   void StartManager() {
@@ -65,12 +68,14 @@ class VolumeManagerTest : public ::testing::Test {
     lt_.RunOnLoop([&, p] { manager_->Stage(r, [p](absl::Status s) { p->set_value(s); }); });
     return f;
   }
-  // Occupies the only pool thread until the returned promise is fulfilled.
-  std::shared_ptr<std::promise<void>> HoldPool() {
+  // Occupies the only thread of `pool` (the mount pool by default) until the returned promise is
+  // fulfilled.
+  std::shared_ptr<std::promise<void>> HoldPool(BlockingPool* pool = nullptr) {
+    if (pool == nullptr) pool = pool_.get();
     auto release = std::make_shared<std::promise<void>>();
     auto held = std::make_shared<std::promise<void>>();
     auto f = release->get_future().share();
-    EXPECT_TRUE(pool_->Submit("hostage", [held, f] { held->set_value(); f.wait(); }, [](absl::Status) {}).ok());
+    EXPECT_TRUE(pool->Submit("hostage", [held, f] { held->set_value(); f.wait(); }, [](absl::Status) {}).ok());
     EXPECT_EQ(held->get_future().wait_for(kTestDeadline), std::future_status::ready);
     return release;
   }
@@ -81,6 +86,7 @@ class VolumeManagerTest : public ::testing::Test {
   std::unique_ptr<KubeletDir> kubelet_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<BlockingPool> pool_;
+  std::unique_ptr<BlockingPool> probe_pool_;
   std::unique_ptr<MountTableReader> reader_;
   std::unique_ptr<VolumeManager> manager_;
 };
@@ -119,19 +125,32 @@ TEST_F(VolumeManagerTest, StatsAnswersAbnormalWithinItsDeadlineWhenStatfsHangs) 
   auto staged = Stage(StageReq("v"));
   ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
   ASSERT_TRUE(staged.get().ok());
-  auto release = HoldPool();  // statfs cannot run: as if it hung on a dead mount
-  std::promise<absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>> result;
+  auto release = HoldPool(probe_pool_.get());  // statfs cannot run: as if it hung on a dead mount
   csi::v1::NodeGetVolumeStatsRequest r;
   r.set_volume_id("v");
   r.set_volume_path(StageReq("v").staging_target_path());
-  lt_.RunOnLoop([&] { manager_->Stats(r, [&](auto resp) { result.set_value(std::move(resp)); }); });
-  auto f = result.get_future();
-  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
-  auto resp = f.get();
-  ASSERT_TRUE(resp.ok()) << resp.status();
-  EXPECT_TRUE(resp->volume_condition().abnormal());
-  EXPECT_NE(resp->volume_condition().message().find("did not answer within 50ms"), std::string::npos)
-      << resp->volume_condition().message();
+  auto stats = [&] {
+    std::promise<absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>> result;
+    auto f = result.get_future();
+    lt_.RunOnLoop([&] { manager_->Stats(r, [&](auto resp) { result.set_value(std::move(resp)); }); });
+    EXPECT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+    return f.get();
+  };
+  auto first = stats();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->volume_condition().abnormal());
+  EXPECT_NE(first->volume_condition().message().find("did not answer within 50ms"), std::string::npos)
+      << first->volume_condition().message();
+  // While that probe is still stuck, a second one is answered at once without another thread.
+  auto second = stats();
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(second->volume_condition().abnormal());
+  EXPECT_NE(second->volume_condition().message().find("has not returned"), std::string::npos)
+      << second->volume_condition().message();
+  // Mount work is not held up by the stuck probe.
+  auto other = Stage(StageReq("w"));
+  ASSERT_EQ(other.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(other.get().ok());
   release->set_value();
   lt_.RunOnLoop([] {});  // the late statfs result is dropped, not answered twice
 }
