@@ -12,11 +12,14 @@
 //  - BM_PublishUnpublishBlocking: the pool threads' share of a pair (syscalls, state writes);
 //  - BM_PublishUnpublishRoundTrip/threads:64: 64 concurrent clients, each on its own volume, pairs/s.
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sched.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -27,6 +30,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "agent/csi/server.h"
+#include "agent/fuse/handoff_endpoint.h"
+#include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
 #include "agent/mount/mount_ops.h"
@@ -170,7 +175,9 @@ Agent& TheAgent() {
     a->kubelet = std::make_unique<KubeletDir>(std::move(*KubeletDir::Open(kubelet)));
     a->store = std::make_unique<StateStore>(std::move(*StateStore::Open(Root() + "/state")));
     a->reader = std::move(*MountTableReader::Create(*a->loop));
-    a->volumes = std::make_unique<VolumeManager>(*a->loop, *a->pool, *a->kubelet, *a->store, *a->reader);
+    a->volumes = std::make_unique<VolumeManager>(*a->loop, *a->pool, *a->kubelet, *a->store, *a->reader,
+                                                 VolumeManagerOptions{.stats_timeout = absl::Seconds(1),
+                                                                      .socket_dir = Root() + "/state/sockets"});
     CsiServerOptions options;
     options.endpoint = "unix://" + Root() + "/csi.sock";
     options.identity.driver_name = "fusekeeper.csi";
@@ -310,6 +317,221 @@ void BM_PublishUnpublishBlocking(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_PublishUnpublishBlocking)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// ---- FUSE (issue 4) ----
+
+// Handoff latency: a server connects to a fresh endpoint and has the fd (server side timing).
+void BM_HandoffConnectToFd(benchmark::State& state) {
+  Agent& a = TheAgent();
+  const std::string dir = Root() + "/handoff";
+  fs::create_directories(dir);
+  UniqueFd dir_fd(open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto listen = HandoffEndpoint::ListenBlocking(dir_fd.get(), "s", 0, 0);
+    CHECK(listen.ok());
+    std::shared_ptr<HandoffEndpoint> ep;
+    std::promise<void> started;
+    a.loop->Post([&] {
+      ep = HandoffEndpoint::Start(*a.loop, std::move(*listen), UniqueFd(open("/dev/null", O_RDWR | O_CLOEXEC)),
+                                  {.volume_id = "bench"}, {}, {});
+      started.set_value();
+    });
+    started.get_future().wait();
+    state.ResumeTiming();
+    UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    strncpy(addr.sun_path, (dir + "/s").c_str(), sizeof(addr.sun_path) - 1);
+    CHECK_EQ(connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    auto m = ReceiveHandoffMessage(s.get());
+    CHECK(m.ok() && m->fd.valid());
+    state.PauseTiming();
+    CHECK(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+    std::promise<void> stopped;
+    a.loop->Post([&] {
+      ep->Stop();
+      ep.reset();
+      stopped.set_value();
+    });
+    stopped.get_future().wait();
+    state.ResumeTiming();
+  }
+}
+BENCHMARK(BM_HandoffConnectToFd)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// Baseline: one message with an fd over an already-connected socketpair.
+void BM_BareScmRights(benchmark::State& state) {
+  int sv[2];
+  CHECK_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+  UniqueFd a(sv[0]), b(sv[1]), devnull(open("/dev/null", O_RDWR | O_CLOEXEC));
+  for (auto _ : state) {
+    CHECK(SendHandoffMessage(a.get(), "{}", devnull.get()).ok());
+    auto m = ReceiveHandoffMessage(b.get());
+    CHECK(m.ok());
+  }
+}
+BENCHMARK(BM_BareScmRights)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// A pod directory with an emptyDir "fk" and a target for volume `vol`; returns the target.
+std::string BenchPod(const std::string& uid, const std::string& vol) {
+  const std::string pod = Root() + "/kubelet/pods/" + uid;
+  fs::create_directories(pod + "/volumes/kubernetes.io~empty-dir/fk");
+  fs::create_directories(pod + "/volumes/kubernetes.io~csi/" + vol);
+  return pod + "/volumes/kubernetes.io~csi/" + vol + "/mount";
+}
+
+csi::v1::NodePublishVolumeRequest FuseInlinePublish(const std::string& id, const std::string& pod,
+                                                    const std::string& target) {
+  csi::v1::NodePublishVolumeRequest r;
+  r.set_volume_id(id);
+  r.set_target_path(target);
+  r.mutable_volume_capability()->mutable_mount();
+  r.mutable_volume_capability()->mutable_access_mode()->set_mode(
+      csi::v1::VolumeCapability::AccessMode::SINGLE_NODE_WRITER);
+  auto& ctx = *r.mutable_volume_context();
+  ctx["kind"] = "fuse";
+  ctx["socketVolume"] = "fk";
+  ctx["csi.storage.k8s.io/pod.uid"] = pod;
+  return r;
+}
+
+// NodePublish + NodeUnpublish of an inline FUSE volume (mount /dev/fuse, socket; abort, unmount)
+// next to BM_PublishUnpublishRoundTrip (a host-path bind).
+void BM_PublishUnpublishFuseInline(benchmark::State& state) {
+  Agent& a = TheAgent();
+  auto stub = csi::v1::Node::NewStub(a.channel);
+  const std::string target = BenchPod("fuse-pod", "v");
+  auto pub = FuseInlinePublish("fuse-bench", "fuse-pod", target);
+  csi::v1::NodeUnpublishVolumeRequest unpub;
+  unpub.set_volume_id("fuse-bench");
+  unpub.set_target_path(target);
+  for (auto _ : state) {
+    grpc::ClientContext c1, c2;
+    csi::v1::NodePublishVolumeResponse r1;
+    csi::v1::NodeUnpublishVolumeResponse r2;
+    grpc::Status s = stub->NodePublishVolume(&c1, pub, &r1);
+    CHECK(s.ok()) << s.error_message();
+    s = stub->NodeUnpublishVolume(&c2, unpub, &r2);
+    CHECK(s.ok()) << s.error_message();
+  }
+}
+BENCHMARK(BM_PublishUnpublishFuseInline)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// A "server" that takes the fd, says ok, and never answers a FUSE request: a hung volume.
+struct HungServer {
+  UniqueFd socket;
+  UniqueFd fuse_fd;
+};
+
+// 1000 mixed RPCs on healthy volumes (Probe, NodeGetInfo, stats of a host-path volume, publish +
+// unpublish of a host-path target), with range(0) hung FUSE volumes on the node whose stats are
+// polled along the way, as kubelet polls every volume. Reports the healthy RPCs' p50/p99.
+void BM_MixedRpcs(benchmark::State& state) {
+  Agent& a = TheAgent();
+  auto node = csi::v1::Node::NewStub(a.channel);
+  auto identity = csi::v1::Identity::NewStub(a.channel);
+  const int hung = static_cast<int>(state.range(0));
+  std::vector<HungServer> servers;
+  std::vector<std::pair<std::string, std::string>> hung_volumes;  // id, target
+  for (int i = 0; i < hung; ++i) {
+    const std::string id = "hung-" + std::to_string(i), pod = "hung-pod-" + std::to_string(i);
+    const std::string target = BenchPod(pod, "v");
+    grpc::ClientContext c;
+    csi::v1::NodePublishVolumeResponse r;
+    grpc::Status s = node->NodePublishVolume(&c, FuseInlinePublish(id, pod, target), &r);
+    CHECK(s.ok()) << s.error_message();
+    HungServer h;
+    h.socket.Reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string sock = Root() + "/kubelet/pods/" + pod + "/volumes/kubernetes.io~empty-dir/fk/fusekeeper.sock";
+    strncpy(addr.sun_path, sock.c_str(), sizeof(addr.sun_path) - 1);
+    CHECK_EQ(connect(h.socket.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    auto m = ReceiveHandoffMessage(h.socket.get());
+    CHECK(m.ok() && m->fd.valid());
+    h.fuse_fd = std::move(m->fd);
+    CHECK(SendHandoffMessage(h.socket.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+    servers.push_back(std::move(h));
+    hung_volumes.push_back({id, target});
+  }
+  const std::string staging = StagedVolume("bench");
+  const std::string target = BenchPod("mixed", "v");
+  csi::v1::NodePublishVolumeRequest pub;
+  pub.set_volume_id("bench");
+  pub.set_staging_target_path(staging);
+  pub.set_target_path(target);
+  pub.mutable_volume_capability()->mutable_mount();
+  pub.mutable_volume_capability()->mutable_access_mode()->set_mode(
+      csi::v1::VolumeCapability::AccessMode::MULTI_NODE_MULTI_WRITER);
+  csi::v1::NodeUnpublishVolumeRequest unpub;
+  unpub.set_volume_id("bench");
+  unpub.set_target_path(target);
+  csi::v1::NodeGetVolumeStatsRequest stats;
+  stats.set_volume_id("bench");
+  stats.set_volume_path(staging);
+  std::vector<double> latencies_us;
+  for (auto _ : state) {
+    latencies_us.clear();
+    for (int i = 0; i < 1000; ++i) {
+      if (hung > 0 && i % 10 == 0) {  // kubelet's stats poll reaches the hung volumes too
+        const auto& [id, hung_target] = hung_volumes[(i / 10) % hung];
+        csi::v1::NodeGetVolumeStatsRequest hs;
+        hs.set_volume_id(id);
+        hs.set_volume_path(hung_target);
+        grpc::ClientContext c;
+        c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+        csi::v1::NodeGetVolumeStatsResponse r;
+        node->NodeGetVolumeStats(&c, hs, &r);
+      }
+      auto start = std::chrono::steady_clock::now();
+      grpc::ClientContext c;
+      grpc::Status s;
+      switch (i % 5) {
+        case 0: {
+          csi::v1::ProbeResponse r;
+          s = identity->Probe(&c, {}, &r);
+          break;
+        }
+        case 1: {
+          csi::v1::NodeGetInfoResponse r;
+          s = node->NodeGetInfo(&c, {}, &r);
+          break;
+        }
+        case 2: {
+          csi::v1::NodeGetVolumeStatsResponse r;
+          s = node->NodeGetVolumeStats(&c, stats, &r);
+          break;
+        }
+        case 3: {
+          csi::v1::NodePublishVolumeResponse r;
+          s = node->NodePublishVolume(&c, pub, &r);
+          break;
+        }
+        case 4: {
+          csi::v1::NodeUnpublishVolumeResponse r;
+          s = node->NodeUnpublishVolume(&c, unpub, &r);
+          break;
+        }
+      }
+      CHECK(s.ok()) << s.error_message();
+      latencies_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  std::sort(latencies_us.begin(), latencies_us.end());
+  state.counters["p50_us"] = latencies_us[latencies_us.size() / 2];
+  state.counters["p99_us"] = latencies_us[latencies_us.size() * 99 / 100];
+  // Tear the hung volumes down (abort + unmount) so later benchmarks start clean.
+  for (const auto& [id, hung_target] : hung_volumes) {
+    csi::v1::NodeUnpublishVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_target_path(hung_target);
+    grpc::ClientContext c;
+    csi::v1::NodeUnpublishVolumeResponse resp;
+    CHECK(node->NodeUnpublishVolume(&c, r, &resp).ok());
+  }
+}
+BENCHMARK(BM_MixedRpcs)->Arg(0)->Arg(8)->Iterations(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // The floor: the syscalls a bind publish + unpublish cannot avoid.
 void BM_BareBindUnmount(benchmark::State& state) {
