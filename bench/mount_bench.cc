@@ -471,8 +471,10 @@ void BM_MixedRpcs(benchmark::State& state) {
   stats.set_volume_id("bench");
   stats.set_volume_path(staging);
   std::vector<double> latencies_us;
+  std::vector<double> by_kind[5];
   for (auto _ : state) {
     latencies_us.clear();
+    for (auto& k : by_kind) k.clear();
     for (int i = 0; i < 1000; ++i) {
       if (hung > 0 && i % 10 == 0) {  // kubelet's stats poll reaches the hung volumes too
         const auto& [id, hung_target] = hung_volumes[(i / 10) % hung];
@@ -515,12 +517,19 @@ void BM_MixedRpcs(benchmark::State& state) {
         }
       }
       CHECK(s.ok()) << s.error_message();
-      latencies_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+      latencies_us.push_back(us);
+      by_kind[i % 5].push_back(us);
     }
   }
   std::sort(latencies_us.begin(), latencies_us.end());
   state.counters["p50_us"] = latencies_us[latencies_us.size() / 2];
   state.counters["p99_us"] = latencies_us[latencies_us.size() * 99 / 100];
+  const char* kKinds[5] = {"probe", "info", "stats", "publish", "unpublish"};
+  for (int k = 0; k < 5; ++k) {
+    std::sort(by_kind[k].begin(), by_kind[k].end());
+    state.counters[absl::StrCat(kKinds[k], "_p99_us")] = by_kind[k][by_kind[k].size() * 99 / 100];
+  }
   // Tear the hung volumes down (abort + unmount) so later benchmarks start clean.
   for (const auto& [id, hung_target] : hung_volumes) {
     csi::v1::NodeUnpublishVolumeRequest r;

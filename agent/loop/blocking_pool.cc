@@ -14,11 +14,17 @@ BlockingPool::BlockingPool(Loop& loop, const BlockingPoolOptions& options)
   CHECK_GT(options.threads, 0);
   state_->loop = &loop;
   state_->max_queued = options.max_queued;
-  state_->running_reason.resize(options.threads);
+  state_->min_threads = options.threads;
+  state_->max_threads = std::max(options.threads, options.max_threads);
+  state_->idle_exit = options.idle_exit;
   threads_.reserve(options.threads);
+  std::lock_guard<std::mutex> lock(state_->mu);
   for (int i = 0; i < options.threads; ++i) {
-    threads_.emplace_back(&BlockingPool::Worker, state_, i);
-    pthread_setname_np(threads_.back().native_handle(), absl::StrCat("fk-pool-", i).c_str());
+    const int id = state_->next_worker_id++;
+    state_->running_reason[id] = "";
+    ++state_->workers;
+    threads_.emplace_back(&BlockingPool::Worker, state_, id, /*elastic=*/false);
+    pthread_setname_np(threads_.back().native_handle(), absl::StrCat("fk-pool-", id).c_str());
   }
 }
 
@@ -47,27 +53,53 @@ absl::Status BlockingPool::Submit(std::string reason, absl::AnyInvocable<void()>
     }
     s.queue.push_back(Item{std::move(reason), std::move(work), std::move(done)});
     ++s.outstanding;
+    // Every worker busy (perhaps hung): an elastic pool starts another one.
+    if (s.idle_workers < static_cast<int>(s.queue.size()) && s.workers < s.max_threads) {
+      const int id = s.next_worker_id++;
+      s.running_reason[id] = "";
+      ++s.workers;
+      std::thread(&BlockingPool::Worker, state_, id, /*elastic=*/true).detach();
+    }
   }
   s.cv.notify_one();
   return absl::OkStatus();
 }
 
-void BlockingPool::Worker(std::shared_ptr<State> state, int index) {
+void BlockingPool::Worker(std::shared_ptr<State> state, int id, bool elastic) {
+  if (elastic) pthread_setname_np(pthread_self(), absl::StrCat("fk-pool-", id).c_str());
   State& s = *state;
   std::unique_lock<std::mutex> lock(s.mu);
+  auto exit_worker = [&s, id] {
+    --s.workers;
+    s.running_reason.erase(id);
+  };
   while (true) {
-    s.cv.wait(lock, [&s] { return s.shutting_down || !s.queue.empty(); });
-    if (s.queue.empty()) return;  // shutting down; cancelled items were taken off the queue
+    ++s.idle_workers;
+    bool have_work;
+    if (elastic) {
+      have_work = s.cv.wait_for(lock, absl::ToChronoNanoseconds(s.idle_exit),
+                                [&s] { return s.shutting_down || !s.queue.empty(); });
+    } else {
+      s.cv.wait(lock, [&s] { return s.shutting_down || !s.queue.empty(); });
+      have_work = true;
+    }
+    --s.idle_workers;
+    // Shutting down with nothing left (cancelled items were taken off the queue), or an extra
+    // worker that has been idle long enough.
+    if (s.queue.empty() && (s.shutting_down || (!have_work && s.workers > s.min_threads))) {
+      return exit_worker();
+    }
+    if (s.queue.empty()) continue;
     Item item = std::move(s.queue.front());
     s.queue.pop_front();
-    s.running_reason[index] = item.reason;
+    s.running_reason[id] = item.reason;
     lock.unlock();
     item.work();
     item.work = nullptr;  // release captures off the loop thread
     lock.lock();
-    if (s.closed) return;  // abandoned: the loop may be gone
+    if (s.closed) return exit_worker();  // abandoned: the loop may be gone
     s.loop->Post([done = std::move(item.done)]() mutable { done(absl::OkStatus()); });
-    s.running_reason[index].clear();
+    s.running_reason[id].clear();
     --s.outstanding;
     s.idle_cv.notify_all();
   }
@@ -99,16 +131,22 @@ int BlockingPool::Shutdown(absl::Duration grace) {
   s.idle_cv.wait_for(lock, absl::ToChronoNanoseconds(grace), [&s] { return s.outstanding == 0; });
   s.closed = true;
   int abandoned = 0;
+  for (const auto& [id, reason] : s.running_reason) {
+    if (!reason.empty()) {
+      LOG(WARNING) << "blocking pool thread " << id << " still running '" << reason
+                   << "' at shutdown; abandoning it";
+      ++abandoned;
+    }
+  }
+  // The fixed workers have ids 0..threads-1; the busy ones are detached, the rest joined.
   std::vector<std::thread*> to_join;
   for (size_t i = 0; i < threads_.size(); ++i) {
     if (!threads_[i].joinable()) continue;
-    if (s.running_reason[i].empty()) {
+    auto it = s.running_reason.find(static_cast<int>(i));
+    if (it == s.running_reason.end() || it->second.empty()) {
       to_join.push_back(&threads_[i]);
     } else {
-      LOG(WARNING) << "blocking pool thread " << i << " still running '" << s.running_reason[i]
-                   << "' at shutdown; abandoning it";
       threads_[i].detach();
-      ++abandoned;
     }
   }
   lock.unlock();

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,7 +25,12 @@
 namespace fusekeeper {
 
 struct BlockingPoolOptions {
-  int threads = 4;
+  int threads = 4;           // always running
+  // Elastic pools: when every worker is busy and work is waiting, another worker is started, up
+  // to this many in all; extra workers exit after idle_exit of idleness. For work that may hang
+  // indefinitely (statfs on a dead FUSE server), so that hung items cannot starve healthy ones.
+  int max_threads = 0;       // 0: same as threads (a fixed pool)
+  absl::Duration idle_exit = absl::Seconds(30);
   size_t max_queued = 1024;
 };
 
@@ -70,16 +76,22 @@ class BlockingPool {
   struct State {
     Loop* loop;
     size_t max_queued;
+    int min_threads;
+    int max_threads;
+    absl::Duration idle_exit;
     std::mutex mu;
     std::condition_variable cv;       // workers wait for items
     std::condition_variable idle_cv;  // Shutdown waits for running work
     std::deque<Item> queue;           // guarded by mu
-    std::vector<std::string> running_reason;  // per worker, "" when idle; guarded by mu
+    std::map<int, std::string> running_reason;  // by worker id, "" when idle; guarded by mu
+    int workers = 0;                  // guarded by mu: started and not yet exited
+    int idle_workers = 0;             // guarded by mu
+    int next_worker_id = 0;           // guarded by mu
     size_t outstanding = 0;           // guarded by mu
     bool shutting_down = false;       // guarded by mu
     bool closed = false;              // guarded by mu: Shutdown returned
   };
-  static void Worker(std::shared_ptr<State> state, int index);
+  static void Worker(std::shared_ptr<State> state, int id, bool elastic);
 
   Loop& loop_;
   std::shared_ptr<State> state_;

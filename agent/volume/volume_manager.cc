@@ -199,7 +199,9 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
       own_probe_pool_(probe_pool != nullptr
                           ? nullptr
                           : std::make_unique<BlockingPool>(
-                                loop, BlockingPoolOptions{.threads = options.probe_threads, .max_queued = 64})),
+                                loop, BlockingPoolOptions{.threads = options.probe_threads,
+                                                          .max_threads = options.max_probe_threads,
+                                                          .max_queued = 1024})),
       probe_pool_(probe_pool != nullptr ? probe_pool : own_probe_pool_.get()) {}
 
 void VolumeManager::Start(Done done) {

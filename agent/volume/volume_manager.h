@@ -44,8 +44,11 @@ struct VolumeManagerOptions {
   // How long a connected server has to answer the handoff.
   absl::Duration handoff_reply_timeout = absl::Seconds(10);
   // Threads for file-system probes (statfs), which can hang on an unresponsive FUSE server; kept
-  // apart from the mount work's pool so that mount RPCs never wait behind them.
-  int probe_threads = 4;
+  // apart from the mount work's pool so that mount RPCs never wait behind them. The pool grows
+  // when every probe thread is stuck (at most one probe per mount is outstanding, so a hung
+  // volume costs one parked thread), up to max_probe_threads.
+  int probe_threads = 2;
+  int max_probe_threads = 1024;
 };
 
 class VolumeManager {

@@ -124,6 +124,50 @@ TEST(BlockingPoolTest, ShutdownCancelsQueuedWorkAndFinishesRunningWork) {
   EXPECT_FALSE(queued_ran.load());
 }
 
+TEST(BlockingPoolTest, ElasticPoolGivesHungWorkItsOwnThreadsUpToTheCap) {
+  LoopThread lt;
+  BlockingPool pool(lt.loop(), {.threads = 1, .max_threads = 3, .max_queued = 16});
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> released = release->get_future().share();
+  std::atomic<int> running{0};
+  std::vector<std::shared_ptr<std::promise<void>>> entered;
+  // Three items that hang until released: each gets a thread of its own.
+  for (int i = 0; i < 3; ++i) {
+    auto p = std::make_shared<std::promise<void>>();
+    entered.push_back(p);
+    ASSERT_TRUE(pool.Submit("hung", [p, released, &running] { running++; p->set_value(); released.wait(); },
+                            [](absl::Status) {})
+                    .ok());
+  }
+  for (auto& p : entered) ASSERT_EQ(p->get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(running.load(), 3);
+  // At the cap: a fourth item waits for a thread instead of getting a new one.
+  std::promise<void> fourth;
+  ASSERT_TRUE(pool.Submit("healthy", [&] { fourth.set_value(); }, [](absl::Status) {}).ok());
+  auto f = fourth.get_future();
+  EXPECT_EQ(f.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  release->set_value();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(pool.Shutdown(absl::Seconds(5)), 0);
+}
+
+TEST(BlockingPoolTest, FixedPoolDoesNotGrow) {
+  LoopThread lt;
+  BlockingPool pool(lt.loop(), {.threads = 1, .max_queued = 16});
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> released = release->get_future().share();
+  std::promise<void> entered;
+  ASSERT_TRUE(pool.Submit("hung", [&, released] { entered.set_value(); released.wait(); }, [](absl::Status) {}).ok());
+  ASSERT_EQ(entered.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  std::promise<void> second;
+  ASSERT_TRUE(pool.Submit("next", [&] { second.set_value(); }, [](absl::Status) {}).ok());
+  auto f = second.get_future();
+  EXPECT_EQ(f.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  release->set_value();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  pool.Shutdown(absl::Seconds(5));
+}
+
 TEST(BlockingPoolTest, ShutdownAbandonsHungWorkAfterGrace) {
   LoopThread lt;
   auto gate = std::make_shared<Gate>();  // outlives the test body: the abandoned thread holds it

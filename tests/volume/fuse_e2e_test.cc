@@ -328,6 +328,52 @@ TEST_F(FuseE2ETest, ServerKilledMidReadRpcsAnswerStatsAbnormalUnpublishCompletes
   EXPECT_EQ(MountCountAt(target), 0);
 }
 
+// Servers that take the fd and then never answer: statfs on their mounts hangs forever. More of
+// them than the agent has probe threads must not make a healthy volume look unresponsive.
+TEST_F(FuseE2ETest, HealthyVolumesStayHealthyBesideManyHungOnes) {
+  StartAgent();
+  std::vector<std::pair<UniqueFd, UniqueFd>> hung;  // socket, fuse fd: held, never served
+  for (int i = 0; i < 6; ++i) {
+    const std::string pod = "hung-" + std::to_string(i);
+    const std::string target = Pod(pod, "vol");
+    ASSERT_RPC_OK(PublishInline("hung-vol-" + std::to_string(i), pod, target));
+    UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    strncpy(a.sun_path, PodSocket(pod).c_str(), sizeof(a.sun_path) - 1);
+    ASSERT_EQ(connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    auto m = ReceiveHandoffMessage(s.get());
+    ASSERT_TRUE(m.ok() && m->fd.valid());
+    ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+    hung.emplace_back(std::move(s), std::move(m->fd));
+    auto st = Stats("hung-vol-" + std::to_string(i), target);  // pins a probe thread for good
+    EXPECT_TRUE(st.volume_condition().abnormal());
+  }
+  // A healthy host-path volume next to them.
+  const std::string data = root_.path() + "/healthy";
+  const std::string staging = kubelet_ + "/plugins/healthy/globalmount";
+  fs::create_directories(data);
+  fs::create_directories(staging);
+  NodeStageVolumeRequest r;
+  r.set_volume_id("healthy");
+  r.set_staging_target_path(staging);
+  *r.mutable_volume_capability() = MountCapability();
+  (*r.mutable_volume_context())["kind"] = "hostPath";
+  (*r.mutable_volume_context())["path"] = data;
+  NodeStageVolumeResponse resp;
+  auto c = Ctx();
+  ASSERT_RPC_OK(node_->NodeStageVolume(c.get(), r, &resp));
+  for (int i = 0; i < 3; ++i) {
+    auto st = Stats("healthy", staging);
+    EXPECT_FALSE(st.volume_condition().abnormal()) << st.volume_condition().message();
+  }
+  for (int i = 0; i < 6; ++i) {
+    const std::string pod = "hung-" + std::to_string(i);
+    ASSERT_RPC_OK(Unpublish("hung-vol-" + std::to_string(i),
+                            kubelet_ + "/pods/" + pod + "/volumes/kubernetes.io~csi/vol/mount"));
+  }
+}
+
 TEST_F(FuseE2ETest, GarbageOnTheHandoffSocketDoesNotDisturbTheVolume) {
   StartAgent();
   const std::string target = Pod("pod-g", "vol");
