@@ -36,7 +36,8 @@ absl::Status LegacyMount(int fuse_fd, int target_fd, const std::string& target,
   if (o.allow_other) data += ",allow_other";
   if (o.default_permissions) data += ",default_permissions";
   if (o.max_read > 0) absl::StrAppend(&data, ",max_read=", o.max_read);
-  unsigned long flags = MS_NOSUID | MS_NODEV | (o.read_only ? MS_RDONLY : 0);
+  unsigned long flags = MS_NOSUID | MS_NODEV | (o.read_only ? MS_RDONLY : 0) |
+                        (o.noexec ? MS_NOEXEC : 0) | (o.noatime ? MS_NOATIME : 0);
   const std::string via = absl::StrCat("/proc/self/fd/", target_fd);
   const std::string type = absl::StrCat("fuse.", o.subtype);
   const std::string source = o.source.empty() ? o.subtype : o.source;
@@ -85,7 +86,8 @@ absl::Status MountFuseBlocking(int fuse_fd, int target_fd, const std::string& ta
   if (fsconfig(fs.get(), FSCONFIG_CMD_CREATE, nullptr, nullptr, 0) != 0) {
     return ErrnoStatus(errno, "creating the FUSE superblock for", target);
   }
-  unsigned attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (o.read_only ? MOUNT_ATTR_RDONLY : 0);
+  unsigned attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (o.read_only ? MOUNT_ATTR_RDONLY : 0) |
+                   (o.noexec ? MOUNT_ATTR_NOEXEC : 0) | (o.noatime ? MOUNT_ATTR_NOATIME : 0);
   UniqueFd mnt(fsmount(fs.get(), FSMOUNT_CLOEXEC, attrs));
   if (!mnt) return ErrnoStatus(errno, "fsmount(fuse) for", target);
   if (move_mount(mnt.get(), "", target_fd, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) != 0) {

@@ -22,6 +22,8 @@ struct FuseMountOptions {
   bool allow_other = true;             // pods run as other users than the server
   bool default_permissions = true;     // the kernel checks modes; the server need not
   bool read_only = false;
+  bool noexec = false;
+  bool noatime = false;
   uint32_t max_read = 0;               // 0: kernel default
 };
 

@@ -104,7 +104,10 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
   mo.source = v.volume_id();
   mo.user_id = v.fuse().server_uid();
   mo.group_id = v.fuse().server_gid();
-  mo.read_only = !staging && v.targets(target_index).readonly();
+  mo.read_only = v.fuse().read_only() || (!staging && v.targets(target_index).readonly());
+  mo.noexec = v.fuse().noexec();
+  mo.noatime = v.fuse().noatime();
+  mo.max_read = v.fuse().max_read();
   if (auto s = MountFuseBlocking(dev->get(), target->get(), path, mo); !s.ok()) {
     if (created) unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR);
     return fail(s);

@@ -55,6 +55,50 @@ absl::Status CheckName(const std::string& name, absl::string_view what) {
   return absl::OkStatus();
 }
 
+// Mount flags for a FUSE volume: a few kernel options are honoured (ro, noexec, noatime,
+// max_read=N); options the agent itself sets (fd, rootmode, user_id, group_id, ...) are refused,
+// as is a comma inside a flag (an attempt to smuggle more options); everything else goes to the
+// server. Flags are named by position only in errors: they may carry secrets.
+absl::Status ParseFuseMountFlags(const VolumeCapability& cap, state::Fuse* fuse,
+                                 std::vector<std::string>* for_server) {
+  static const char* const kReserved[] = {"fd", "rootmode", "user_id", "group_id", "blksize",
+                                          "allow_other", "default_permissions", "source", "subtype",
+                                          "suid", "dev"};
+  const auto& flags = cap.mount().mount_flags();
+  for (int i = 0; i < flags.size(); ++i) {
+    const std::string& f = flags[i];
+    const std::string key = f.substr(0, f.find('='));
+    if (f.find(',') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mount flag #", i + 1, " contains ','; give each option as a separate flag"));
+    }
+    for (const char* r : kReserved) {
+      if (key == r) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "mount flag #", i + 1, " sets '", key, "', which fusekeeper controls for FUSE volumes"));
+      }
+    }
+    if (f == "ro") {
+      fuse->set_read_only(true);
+    } else if (f == "rw") {
+    } else if (f == "noexec") {
+      fuse->set_noexec(true);
+    } else if (f == "noatime") {
+      fuse->set_noatime(true);
+    } else if (key == "max_read") {
+      auto v = ParseId(f.substr(key.size() + 1 < f.size() ? key.size() + 1 : f.size()),
+                       absl::StrCat("mount flag #", i + 1, " max_read"));
+      if (!v.ok() || *v == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("mount flag #", i + 1, " max_read needs a positive number"));
+      }
+      fuse->set_max_read(*v);
+    } else if (for_server != nullptr) {
+      for_server->push_back(f);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<VolumeSpec> ParseSpec(const google::protobuf::Map<std::string, std::string>& ctx,
                                      const VolumeCapability& cap) {
   VolumeSpec spec;
@@ -104,6 +148,7 @@ absl::StatusOr<VolumeSpec> ParseSpec(const google::protobuf::Map<std::string, st
     spec.fuse.set_mount_group(*g);
   }
   spec.fuse.set_pass_secrets(Get(ctx, "passSecrets") == "true");
+  if (auto s = ParseFuseMountFlags(cap, &spec.fuse, nullptr); !s.ok()) return s;
   spec.socket_volume = Get(ctx, "socketVolume");
   if (!Get(ctx, "socketName").empty()) spec.socket_name = Get(ctx, "socketName");
   if (auto s = CheckName(spec.socket_name, "volume_context.socketName"); !s.ok()) return s;
@@ -327,8 +372,9 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
   config.uid = v.fuse().server_uid();
   config.gid = v.fuse().server_gid();
   if (v.fuse().has_mount_group()) config.mount_group = v.fuse().mount_group();
+  config.read_only = v.fuse().read_only();
   for (const auto& t : v.targets()) {
-    if (t.path() == path) config.read_only = t.readonly();
+    if (t.path() == path) config.read_only = config.read_only || t.readonly();
   }
   config.mount_options = mount_options;
   for (const auto& [k, val] : v.volume_context()) config.volume_context[k] = val;
@@ -489,8 +535,9 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
 void VolumeManager::StageFuse(const csi::v1::NodeStageVolumeRequest& req, state::Volume v,
                               std::optional<state::Volume> previous, Done done) {
   std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
-  std::vector<std::string> options(req.volume_capability().mount().mount_flags().begin(),
-                                   req.volume_capability().mount().mount_flags().end());
+  std::vector<std::string> options;
+  state::Fuse unused;
+  (void)ParseFuseMountFlags(req.volume_capability(), &unused, &options);  // validated in ParseSpec
   const std::string id = v.volume_id();
   RunJob<std::shared_ptr<FuseMounted>>(
       id, "NodeStageVolume (fuse)",
@@ -688,8 +735,9 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
 void VolumeManager::PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v,
                                       int index, std::optional<state::Volume> previous, Done done) {
   std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
-  std::vector<std::string> options(req.volume_capability().mount().mount_flags().begin(),
-                                   req.volume_capability().mount().mount_flags().end());
+  std::vector<std::string> options;
+  state::Fuse unused;
+  (void)ParseFuseMountFlags(req.volume_capability(), &unused, &options);  // validated in ParseSpec
   const std::string id = v.volume_id();
   const std::string target = v.targets(index).path();
   RunJob<std::shared_ptr<FuseMounted>>(

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <future>
 
+#include "absl/strings/match.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/volume/state_store.h"
 #include "gtest/gtest.h"
@@ -137,13 +138,15 @@ class FuseE2ETest : public ::testing::Test {
     return kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk/fusekeeper.sock";
   }
   grpc::Status PublishInline(const std::string& id, const std::string& pod, const std::string& target,
-                             bool readonly = false, const std::string& fs_group = "") {
+                             bool readonly = false, const std::string& fs_group = "",
+                             std::vector<std::string> flags = {}) {
     NodePublishVolumeRequest r;
     r.set_volume_id(id);
     r.set_target_path(target);
     r.set_readonly(readonly);
     *r.mutable_volume_capability() = MountCapability();
     r.mutable_volume_capability()->mutable_mount()->set_volume_mount_group(fs_group);
+    for (const auto& f : flags) r.mutable_volume_capability()->mutable_mount()->add_mount_flags(f);
     for (const auto& [k, v] : FuseContext()) (*r.mutable_volume_context())[k] = v;
     (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = pod;
     (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
@@ -372,6 +375,42 @@ TEST_F(FuseE2ETest, HealthyVolumesStayHealthyBesideManyHungOnes) {
     ASSERT_RPC_OK(Unpublish("hung-vol-" + std::to_string(i),
                             kubelet_ + "/pods/" + pod + "/volumes/kubernetes.io~csi/vol/mount"));
   }
+}
+
+TEST_F(FuseE2ETest, MountFlagsKernelOnesHonouredOthersToTheServerInjectionRefused) {
+  StartAgent();
+  const std::string target = Pod("pod-flags", "vol");
+  ASSERT_RPC_OK(PublishInline("flags", "pod-flags", target, false, "",
+                              {"noexec", "max_read=65536", "cache=yes", "ro"}));
+  const MountEntry* e = nullptr;
+  auto table = ReadMountTable();
+  e = table.FindTop(target);
+  ASSERT_NE(e, nullptr);
+  EXPECT_TRUE(absl::StrContains(e->mount_options, "noexec")) << e->mount_options;
+  EXPECT_TRUE(e->read_only());
+  EXPECT_TRUE(absl::StrContains(e->super_options, "max_read=65536")) << e->super_options;
+  // The server's config carries what the kernel did not take.
+  UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  strncpy(a.sun_path, PodSocket("pod-flags").c_str(), sizeof(a.sun_path) - 1);
+  ASSERT_EQ(connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  auto m = ReceiveHandoffMessage(s.get());
+  ASSERT_TRUE(m.ok());
+  auto config = DecodeMountConfig(m->payload);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->mount_options, std::vector<std::string>{"cache=yes"});
+  EXPECT_TRUE(config->read_only);
+  // Options the agent controls, or smuggled through a comma, are refused; nothing is mounted.
+  for (std::vector<std::string> bad : {std::vector<std::string>{"fd=3"}, {"rootmode=100000"},
+                                       {"user_id=0"}, {"allow_other"}, {"rw,fd=3"}, {"max_read=x"}}) {
+    const std::string t = Pod("pod-bad", "v" + std::to_string(MountCountAt(target)));
+    grpc::Status st = PublishInline("bad-flags", "pod-bad", t, false, "", bad);
+    EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT) << bad[0] << ": " << st.error_message();
+    EXPECT_EQ(st.error_message().find("=3"), std::string::npos) << "flag values are not echoed";
+    EXPECT_EQ(MountCountAt(t), 0);
+  }
+  ASSERT_RPC_OK(Unpublish("flags", target));
 }
 
 TEST_F(FuseE2ETest, GarbageOnTheHandoffSocketDoesNotDisturbTheVolume) {
