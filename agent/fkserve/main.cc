@@ -7,7 +7,8 @@
 //
 // `serve` runs the built-in passthrough of --root. `launch` runs any libfuse3 program with the
 // connection as /dev/fd/<n> ({fd} in its arguments is replaced by the number) and exits with its
-// exit status. Exit codes: 0 served until unmounted; 2 usage; 3 cannot reach the socket or the peer
+// exit status. Either way the handoff connection stays open while serving, and the end of
+// serving (with the program's exit status) is reported to the agent on it. Exit codes: 0 served until unmounted; 2 usage; 3 cannot reach the socket or the peer
 // is not the agent; 4 the agent refused or sent something that is not a FUSE device; 5 serving failed;
 // launch: the program's own status (127 if it could not be started).
 #include <errno.h>
@@ -92,16 +93,19 @@ int Launch(int sock, UniqueFd fuse_fd, const std::vector<std::string>& program) 
     return Fail(127, why);
   }
   Reply(sock, true, "");
+  // The connection stays open while the program serves; its end is reported to the agent.
   int status = 0;
   waitpid(child, &status, 0);
-  if (WIFEXITED(status)) {
-    if (WEXITSTATUS(status) != 0) {
-      fprintf(stderr, "fkserve: %s exited with status %d\n", args[0].c_str(), WEXITSTATUS(status));
-    }
-    return WEXITSTATUS(status);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    Reply(sock, true, "");
+    return 0;
   }
-  fprintf(stderr, "fkserve: %s was killed by signal %d\n", args[0].c_str(), WTERMSIG(status));
-  return 128 + WTERMSIG(status);
+  const std::string why = WIFEXITED(status)
+                              ? absl::StrCat(args[0], " exited with status ", WEXITSTATUS(status))
+                              : absl::StrCat(args[0], " was killed by signal ", WTERMSIG(status));
+  Reply(sock, false, why);
+  fprintf(stderr, "fkserve: %s\n", why.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 }  // namespace
@@ -175,8 +179,9 @@ int main(int argc, char** argv) {
     return Fail(5, absl::StrCat("--root ", FLAGS_root, " is not a directory"));
   }
   Reply(sock.get(), true, "");
-  sock.Reset();
+  // The connection stays open while we serve; its end (and why) is reported to the agent.
   absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
+  Reply(sock.get(), s.ok(), s.ok() ? "" : std::string(s.message()));
   if (!s.ok()) return Fail(5, std::string(s.message()));
   return 0;
 }

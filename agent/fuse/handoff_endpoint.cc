@@ -131,6 +131,7 @@ void HandoffEndpoint::Stop() {
   if (stopped_) return;
   stopped_ = true;
   loop_.Cancel(&accept_);
+  listen_fd_.Reset();
   for (auto& c : connections_in_flight_) {
     loop_.Cancel(&c->send);
     loop_.Cancel(&c->recv);
@@ -235,7 +236,61 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
                             [this, c] { loop_.Cancel(&c->recv); });
 }
 
+void HandoffEndpoint::WatchServer(Connection* c) {
+  c->in.assign(kMaxHandoffMessageBytes + 1, '\0');
+  c->in_iov = {c->in.data(), c->in.size()};
+  c->in_msg = {};
+  c->in_msg.msg_iov = &c->in_iov;
+  c->in_msg.msg_iovlen = 1;
+  c->in_msg.msg_control = c->in_control;
+  c->in_msg.msg_controllen = sizeof(c->in_control);
+  c->recv.callback = [this, c](int32_t res, bool) {
+    Completed();
+    if (res > 0) {
+      bool other_control;
+      TakeReceivedFds(c->in_msg, &other_control);
+    }
+    absl::Status why;
+    if (res == -ECANCELED) {
+      why = absl::CancelledError("the agent stopped watching the server");
+    } else if (res <= 0) {
+      why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
+    } else {
+      auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
+      why = !reply.ok()  ? reply.status()
+            : reply->ok  ? absl::UnavailableError("the FUSE server stopped serving")
+                         : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
+    }
+    c->fd.Reset();
+    std::unique_ptr<Connection> doomed;
+    for (auto it = connections_in_flight_.begin(); it != connections_in_flight_.end(); ++it) {
+      if (it->get() == c) {
+        doomed = std::move(*it);
+        connections_in_flight_.erase(it);
+        break;
+      }
+    }
+    if (!stopped_) {
+      server_gone_ = true;
+      LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
+      if (events_.on_server_gone) events_.on_server_gone(why);
+    }
+    ReleaseLater(std::move(doomed));
+  };
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
+  Arm(sqe, &c->recv);
+}
+
 void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply) {
+  if (status.ok() && !stopped_) {
+    served_ = true;
+    LOG(INFO) << "volume " << config_.volume_id << " handed to server pid " << c->peer_pid << " ("
+              << reply->server << ")";
+    if (events_.on_served) events_.on_served(*reply, c->peer_pid);
+    WatchServer(c);  // the connection stays open while the server serves
+    return;
+  }
   c->fd.Reset();
   std::unique_ptr<Connection> doomed;
   for (auto it = connections_in_flight_.begin(); it != connections_in_flight_.end(); ++it) {
@@ -245,12 +300,7 @@ void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<H
       break;
     }
   }
-  if (status.ok()) {
-    served_ = true;
-    LOG(INFO) << "volume " << config_.volume_id << " handed to server pid " << c->peer_pid << " ("
-              << reply->server << ")";
-    if (events_.on_served) events_.on_served(*reply, c->peer_pid);
-  } else {
+  if (!status.ok()) {
     LOG(WARNING) << "handoff of volume " << config_.volume_id << " to pid " << c->peer_pid
                  << " failed: " << status;
     if (events_.on_connection_error) events_.on_connection_error(status);

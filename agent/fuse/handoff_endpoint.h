@@ -7,7 +7,9 @@
 // read with IORING_OP_RECVMSG under a deadline. Nothing blocks the loop, and many endpoints wait at
 // once without affecting each other or any RPC.
 //
-// After a server has taken the volume, further connections get a refusal (no fd). Peers that close
+// After a server has taken the volume, further connections get a refusal (no fd). The serving
+// server's connection stays open: when it ends (a final message, or a close because the server
+// exited or was killed), on_server_gone reports it. Peers that close
 // early, send garbage, or never answer get their connection closed and are reported; the endpoint
 // keeps listening.
 #pragma once
@@ -43,6 +45,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     absl::AnyInvocable<void(const HandoffReply& reply, pid_t server_pid)> on_served;
     // A connection failed (peer refused, garbage, timeout, wrong uid...). Loop thread.
     absl::AnyInvocable<void(const absl::Status& why)> on_connection_error;
+    // The server that took the volume stopped serving: it sent its final message (`why` holds
+    // its words) or its connection closed (it exited or was killed). Loop thread.
+    absl::AnyInvocable<void(const absl::Status& why)> on_server_gone;
   };
 
   // Blocking (BlockingPool): creates the listening socket as `name` inside the directory
@@ -63,6 +68,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void Stop();
 
   bool served() const { return served_; }
+  // The server that was serving has gone (see Events::on_server_gone).
+  bool server_gone() const { return server_gone_; }
   int fuse_fd() const { return fuse_fd_.get(); }
   int connections_handled() const { return connections_; }
 
@@ -82,6 +89,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void SendOffer(Connection* c, bool refuse, std::string why);
   void AwaitReply(Connection* c);
   void Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply);
+  // Keeps the serving server's connection and waits for it to end.
+  void WatchServer(Connection* c);
 
   Loop& loop_;
   UniqueFd listen_fd_;
@@ -95,6 +104,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   int in_flight_ = 0;
   bool stopped_ = false;
   bool served_ = false;
+  bool server_gone_ = false;
   int connections_ = 0;
 };
 

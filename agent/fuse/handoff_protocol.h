@@ -11,6 +11,11 @@
 //   server → agent  {"version":1,"ok":true,"server":"fkserve 0.1.0"}
 //                or {"version":1,"ok":false,"error":"what went wrong"}
 //
+// After an ok reply the server keeps the connection open for as long as it serves. When it stops
+// it may send one final HandoffReply (ok:true for a clean stop, ok:false with the reason, e.g. a
+// launched program's exit status) and close; a close without a message means the same (e.g. the
+// server was killed). The agent learns from this that the volume has no server any more.
+//
 // Instead of a config, the agent may send a refusal, {"version":1,"error":"why"} with no fd (e.g.
 // the volume is already served by another connection); DecodeMountConfig reports it as
 // FAILED_PRECONDITION with the agent's words.

@@ -386,6 +386,10 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
     auto it = endpoints_.find(key);
     if (it != endpoints_.end()) loop_.CancelTimer(it->second.timeout);
   };
+  events.on_server_gone = [this, key](const absl::Status& why) {
+    auto it = endpoints_.find(key);
+    if (it != endpoints_.end()) it->second.gone_reason = std::string(why.message());
+  };
   Endpoint e;
   e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config),
                                       {.reply_timeout = options_.handoff_reply_timeout,
@@ -824,6 +828,13 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
     // A FUSE mount whose server never connected would make statfs wait: say so instead.
     const std::string served_path = v.staging_path().empty() ? path : v.staging_path();
     auto ep = endpoints_.find(EndpointKey(v.volume_id(), served_path));
+    if (ep != endpoints_.end() && !ep->second.gone_reason.empty()) {
+      // A server known to be gone: no probe needed (it would only wait).
+      csi::v1::NodeGetVolumeStatsResponse resp;
+      resp.mutable_volume_condition()->set_abnormal(true);
+      resp.mutable_volume_condition()->set_message(ep->second.gone_reason);
+      return done(resp);
+    }
     if (ep != endpoints_.end() && !ep->second.endpoint->served()) {
       csi::v1::NodeGetVolumeStatsResponse resp;
       resp.mutable_volume_condition()->set_abnormal(true);

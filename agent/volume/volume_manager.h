@@ -113,6 +113,7 @@ class VolumeManager {
   struct Endpoint {
     std::shared_ptr<HandoffEndpoint> endpoint;
     TimerId timeout = 0;
+    std::string gone_reason;  // why its server stopped serving, once it has
   };
   std::map<std::string, Endpoint> endpoints_;
   std::unique_ptr<BlockingPool> own_probe_pool_;

@@ -64,6 +64,7 @@ class FkserveTest : public ::testing::Test {
       HandoffEndpoint::Events events;
       events.on_served = [this](const HandoffReply&, pid_t) { served_.set_value(); };
       events.on_connection_error = [this](const absl::Status& s) { last_error_ = s; };
+      events.on_server_gone = [this](const absl::Status& s) { gone_.set_value(s); };
       endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(*dev), config, {},
                                          std::move(events));
     });
@@ -103,6 +104,7 @@ class FkserveTest : public ::testing::Test {
   std::shared_ptr<HandoffEndpoint> endpoint_;
   std::promise<void> served_;
   absl::Status last_error_;
+  std::promise<absl::Status> gone_;
   std::unique_ptr<Subprocess> server_;
 };
 
@@ -174,6 +176,17 @@ TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
   ASSERT_EQ(umount2(mnt_.c_str(), 0), 0);
   lt_.RunOnLoop([&] { endpoint_->Stop(); });
   EXPECT_EQ(ServerExit(), 0) << "the program's exit status is fkserve's: " << server_->Stderr();
+}
+
+TEST_F(FkserveTest, ALaunchedProgramsExitStatusReachesTheAgent) {
+  MountAndOffer({.volume_id = "v-exit"});
+  StartServer({"launch", "--", "/bin/sh", "-c", "exit 3", "/dev/fd/{fd}"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ServerExit(), 3);
+  auto gone = gone_.get_future();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  absl::Status why = gone.get();
+  EXPECT_NE(why.message().find("exited with status 3"), std::string::npos) << why;
 }
 
 TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {

@@ -60,6 +60,10 @@ class HandoffEndpointTest : public ::testing::Test {
         served_.push_back({r.server, pid});
         served_cv_.set_value();
       };
+      events.on_server_gone = [this](const absl::Status& s) {
+        gone_.push_back(s);
+        if (gone_waiter_) std::exchange(gone_waiter_, nullptr)->set_value(s);
+      };
       events.on_connection_error = [this](const absl::Status& s) {
         errors_.push_back(s);
         if (error_waiter_) std::exchange(error_waiter_, nullptr)->set_value(s);
@@ -85,6 +89,23 @@ class HandoffEndpointTest : public ::testing::Test {
   std::promise<void> served_cv_;
   std::vector<absl::Status> errors_;
   std::shared_ptr<std::promise<absl::Status>> error_waiter_;
+  std::vector<absl::Status> gone_;
+  std::shared_ptr<std::promise<absl::Status>> gone_waiter_;
+
+  std::future<absl::Status> NextGone() {
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&] { gone_waiter_ = p; });
+    return f;
+  }
+  // Connects, takes the volume, says ok; returns the open connection.
+  UniqueFd Serve() {
+    UniqueFd s = Connect(SockPath());
+    auto m = ReceiveHandoffMessage(s.get());
+    EXPECT_TRUE(m.ok() && m->fd.valid());
+    EXPECT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+    return s;
+  }
 };
 
 TEST_F(HandoffEndpointTest, SocketIsPrivateToTheServersUser) {
@@ -225,6 +246,29 @@ TEST_F(HandoffEndpointTest, AnotherUserIsRefused) {
             0);
   ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
   EXPECT_EQ(err.get().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(HandoffEndpointTest, TheServerGoingAwayIsReportedWithItsWords) {
+  StartEndpoint();
+  auto gone = NextGone();
+  UniqueFd s = Serve();
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(gone.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout)
+      << "serving: nothing gone yet";
+  ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = false, .error = "prog exited with status 3"}), -1).ok());
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  absl::Status why = gone.get();
+  EXPECT_NE(why.message().find("prog exited with status 3"), std::string::npos) << why;
+  lt_.RunOnLoop([&] { EXPECT_TRUE(endpoint_->server_gone()); });
+}
+
+TEST_F(HandoffEndpointTest, AServerThatDiesWithoutAWordIsReportedToo) {
+  StartEndpoint();
+  auto gone = NextGone();
+  UniqueFd s = Serve();
+  s.Reset();  // killed
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_NE(gone.get().message().find("closed its connection"), std::string::npos);
 }
 
 TEST_F(HandoffEndpointTest, DirectoryPathsLongerThanSunPathWork) {

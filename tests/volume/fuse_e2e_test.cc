@@ -310,6 +310,11 @@ TEST_F(FuseE2ETest, ServerKilledMidReadRpcsAnswerStatsAbnormalUnpublishCompletes
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(target + "/hello.txt"); }).has_value());
   server->Signal(SIGKILL);
   ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+  // The agent learns of the death from the handoff connection closing: stats say so at once.
+  auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+  while (Stats("killed", target).volume_condition().message().find("closed its connection") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the server's death was not noticed";
+  }
   // A reader now waits on the dead server (the agent keeps the connection open for recovery).
   auto stuck = std::async(std::launch::async, [&] {
     struct stat st;
