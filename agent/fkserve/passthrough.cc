@@ -382,6 +382,7 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
   char* argv[] = {arg0, nullptr};
   fuse_args args = FUSE_ARGS_INIT(1, argv);
   fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &fs);
+  fuse_opt_free_args(&args);
   if (se == nullptr) {
     close(fuse_fd);
     return absl::InternalError("fuse_session_new failed");

@@ -25,7 +25,8 @@ TEST(SyscallsTest, StatmountAgreesWithMountinfo) {
   EXPECT_EQ(facts.mount_point, t.path());
   EXPECT_EQ(facts.fs_type, "tmpfs");
   EXPECT_EQ(facts.root, "/");
-  const MountEntry* e = ReadMountTable().FindTop(t.path());
+  MountTable table = ReadMountTable();
+  const MountEntry* e = table.FindTop(t.path());
   ASSERT_NE(e, nullptr);
   EXPECT_EQ(facts.old_id, e->id);
 }

@@ -121,7 +121,8 @@ TEST_F(HostPathTypesTest, EachTypeAcceptsItsKindAndRejectsTheOthers) {
     // Unset type accepts anything that exists.
     EXPECT_TRUE(OpenHostPathBlocking(row.good, HostPathType::kUnset).ok());
   }
-  auto msg = OpenHostPathBlocking(file_, HostPathType::kDirectory).status().message();
+  const absl::Status status = OpenHostPathBlocking(file_, HostPathType::kDirectory).status();
+  const absl::string_view msg = status.message();
   EXPECT_NE(msg.find("is a regular file, but type Directory expects a directory"), std::string::npos) << msg;
 }
 

@@ -77,6 +77,7 @@ HelloFuseServer::HelloFuseServer(int fuse_fd, std::string content) : content_(st
   char* argv[] = {arg0, nullptr};
   fuse_args args = FUSE_ARGS_INIT(1, argv);
   session_ = fuse_session_new(&args, &ops, sizeof(ops), this);
+  fuse_opt_free_args(&args);
   CHECK(session_ != nullptr);
   // libfuse 3.3+ treats /dev/fd/N as "already mounted, serve this fd".
   CHECK_EQ(fuse_session_mount(session_, absl::StrCat("/dev/fd/", fuse_fd).c_str()), 0);
