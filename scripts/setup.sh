@@ -4,7 +4,7 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
   bazel-bootstrap bazel-rules-java
-  g++ pkg-config python3 git ca-certificates
+  g++ pkg-config python3 python3-yaml git ca-certificates
   liburing-dev libfuse3-dev fuse3
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libgoogle-glog-dev libgflags-dev libgtest-dev libgmock-dev libbenchmark-dev libabsl-dev

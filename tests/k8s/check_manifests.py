@@ -1,0 +1,138 @@
+#!/usr/bin/python3
+"""Keeps k8s/ and the code from drifting apart: every manifest parses; every image is one we build
+(or a pinned kubernetes-csi sidecar); every flag given to our binaries exists in their --helpfull;
+socket paths agree between the agent, node-driver-registrar and the livenessprobe; the CSIDriver
+name is the agent's default; example volume attributes are keys the agent reads. Prints what is
+wrong and exits non-zero."""
+import os
+import re
+import subprocess
+import sys
+
+import yaml
+
+root = os.environ.get("MANIFEST_ROOT", "k8s")
+agent, fkserve = sys.argv[1], sys.argv[2]
+problems = []
+
+
+def flags_of(binary):
+    out = subprocess.run([binary, "--helpfull"], capture_output=True, text=True).stdout + \
+          subprocess.run([binary, "--helpfull"], capture_output=True, text=True).stderr
+    return set(re.findall(r"^\s+-(\w+) \(", out, re.M)), out
+
+
+agent_flags, agent_help = flags_of(agent)
+fkserve_flags, _ = flags_of(fkserve)
+if "driver_name" not in agent_flags or "kubelet_dir" not in agent_flags:
+    problems.append("could not read the agent's flags from --helpfull")
+
+docs = []
+for dirpath, _, files in os.walk(root):
+    for f in sorted(files):
+        if f.endswith(".yaml"):
+            path = os.path.join(dirpath, f)
+            try:
+                for d in yaml.safe_load_all(open(path)):
+                    if d:
+                        docs.append((path, d))
+            except yaml.YAMLError as e:
+                problems.append(f"{path}: does not parse: {e}")
+
+kust = yaml.safe_load(open(os.path.join(root, "kustomization.yaml")))
+for r in kust.get("resources", []):
+    if not os.path.exists(os.path.join(root, r)):
+        problems.append(f"kustomization.yaml lists {r}, which does not exist")
+
+OUR_IMAGES = {"fusekeeper/agent": ("agent", agent_flags), "fusekeeper/fkserve": ("fkserve", fkserve_flags)}
+SIDECARS = ("registry.k8s.io/sig-storage/csi-node-driver-registrar:",
+            "registry.k8s.io/sig-storage/livenessprobe:", "busybox:")
+dockerfile = open(os.path.join(root, "images", "Dockerfile")).read()
+for target in ("agent", "fkserve"):
+    if f"AS {target}" not in dockerfile:
+        problems.append(f"k8s/images/Dockerfile has no '{target}' target")
+
+default_driver = re.search(r"-driver_name \(.*?\) type: string default: \"([^\"]+)\"", agent_help, re.S)
+KNOWN_ATTRIBUTES = {"kind", "path", "type", "serverUid", "serverGid", "subtype", "socketVolume",
+                    "socketName", "passSecrets"}
+
+
+def containers(spec):
+    return spec.get("initContainers", []) + spec.get("containers", [])
+
+
+for path, d in docs:
+    kind = d.get("kind")
+    if kind == "CSIDriver":
+        if default_driver and d["metadata"]["name"] != default_driver.group(1):
+            problems.append(f"{path}: CSIDriver {d['metadata']['name']} is not the agent's default "
+                            f"--driver_name {default_driver.group(1)}")
+        spec = d["spec"]
+        if spec.get("attachRequired") is not False or spec.get("podInfoOnMount") is not True:
+            problems.append(f"{path}: CSIDriver needs attachRequired: false and podInfoOnMount: true")
+    pod_spec = None
+    if kind == "DaemonSet":
+        pod_spec = d["spec"]["template"]["spec"]
+    elif kind == "Pod":
+        pod_spec = d["spec"]
+    if pod_spec:
+        for c in containers(pod_spec):
+            image = c["image"]
+            name = image.split(":")[0]
+            if name in OUR_IMAGES:
+                which, known = OUR_IMAGES[name]
+                for arg in c.get("args", []):
+                    m = re.match(r"--(\w+)", arg)
+                    if m and m.group(1) not in known:
+                        problems.append(f"{path}: container {c['name']} passes --{m.group(1)}, "
+                                        f"which {which} does not have")
+            elif not image.startswith(SIDECARS):
+                problems.append(f"{path}: image {image} is neither ours nor a known sidecar")
+        for v in pod_spec.get("volumes", []):
+            attrs = (v.get("csi") or {}).get("volumeAttributes") or {}
+            for k in attrs:
+                if k not in KNOWN_ATTRIBUTES:
+                    problems.append(f"{path}: volume {v['name']} sets attribute {k}, which the agent does not read")
+    if kind == "PersistentVolume":
+        for k in (d["spec"].get("csi", {}).get("volumeAttributes") or {}):
+            if k not in KNOWN_ATTRIBUTES:
+                problems.append(f"{path}: PV attribute {k} is not read by the agent")
+    if kind == "DaemonSet":
+        spec = d["spec"]["template"]["spec"]
+        by_name = {c["name"]: c for c in spec["containers"]}
+        agent_c = by_name.get("fusekeeper")
+        reg = by_name.get("node-driver-registrar")
+        live = by_name.get("liveness-probe")
+        if not (agent_c and reg and live):
+            problems.append(f"{path}: DaemonSet needs the fusekeeper, node-driver-registrar and liveness-probe containers")
+            continue
+        endpoint = next((a.split("=", 1)[1] for a in agent_c["args"] if a.startswith("--endpoint=")), "")
+        sock = endpoint.replace("unix://", "")
+        for c, flag in ((reg, "--csi-address="), (live, "--csi-address=")):
+            addr = next((a.split("=", 1)[1] for a in c["args"] if a.startswith(flag)), None)
+            if addr != sock:
+                problems.append(f"{path}: {c['name']} {flag}{addr} is not the agent's socket {sock}")
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m for m in agent_c["volumeMounts"]}
+        sock_dir = os.path.dirname(sock)
+        if sock_dir not in mounts:
+            problems.append(f"{path}: the agent's socket directory {sock_dir} is not a volume mount")
+        else:
+            host = volumes[mounts[sock_dir]["name"]]["hostPath"]["path"]
+            reg_path = next(a.split("=", 1)[1] for a in reg["args"] if a.startswith("--kubelet-registration-path="))
+            if reg_path != os.path.join(host, os.path.basename(sock)):
+                problems.append(f"{path}: --kubelet-registration-path {reg_path} is not where the socket "
+                                f"is on the host ({host}/{os.path.basename(sock)})")
+        kubelet_dir = next((a.split("=", 1)[1] for a in agent_c["args"] if a.startswith("--kubelet_dir=")), None)
+        km = mounts.get(kubelet_dir)
+        if not km or km.get("mountPropagation") != "Bidirectional":
+            problems.append(f"{path}: --kubelet_dir {kubelet_dir} must be mounted with mountPropagation: Bidirectional")
+        if "/dev/fuse" not in mounts:
+            problems.append(f"{path}: /dev/fuse is not mounted into the agent")
+        if not agent_c.get("securityContext", {}).get("privileged"):
+            problems.append(f"{path}: the agent must be privileged")
+
+if problems:
+    print("\n".join(problems))
+    sys.exit(1)
+print(f"{len(docs)} manifests checked: images, flags, socket paths and attributes agree with the code")
