@@ -160,15 +160,17 @@ std::vector<const MountEntry*> MountTable::FindAll(absl::string_view mount_point
 
 const MountEntry* MountTable::FindTop(absl::string_view mount_point) const {
   std::vector<const MountEntry*> all = FindAll(mount_point);
-  // The top of a stack is the one no other mount at the same point sits on.
+  // The top of a stack is the one no other mount at the same point sits on. A namespace's root
+  // is its own parent (proc(5)), which does not cover it; a cycle (only in malformed input)
+  // falls back to the last entry, the most recent mount.
   for (const MountEntry* candidate : all) {
     bool covered = false;
     for (const MountEntry* other : all) {
-      if (other->parent_id == candidate->id) covered = true;
+      if (other != candidate && other->parent_id == candidate->id) covered = true;
     }
     if (!covered) return candidate;
   }
-  return nullptr;
+  return all.empty() ? nullptr : all.back();
 }
 
 const MountEntry* MountTable::FindById(uint32_t id) const {

@@ -111,6 +111,20 @@ TEST(MountInfoTest, FindTopPicksTheTopOfAStack) {
   EXPECT_EQ(t->FindById(11)->source, "b");
 }
 
+// Found by fuzzing (tests/fuzz/corpus/mountinfo/self-parent-*): a namespace's root mount is its
+// own parent, and a malformed table can hold a cycle; neither may hide the mount.
+TEST(MountInfoTest, FindTopHandlesSelfParentedRootAndCycles) {
+  auto t = MountTable::Parse(
+      "1 1 0:1 / / rw - tmpfs none rw\n"
+      "7 8 0:2 / /c rw - tmpfs a rw\n"
+      "8 7 0:3 / /c rw - tmpfs b rw\n");
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_NE(t->FindTop("/"), nullptr);
+  EXPECT_EQ(t->FindTop("/")->id, 1u);
+  ASSERT_NE(t->FindTop("/c"), nullptr);
+  EXPECT_EQ(t->FindTop("/c")->source, "b");
+}
+
 TEST(MountInfoTest, ParsesThisMachinesTable) {
   std::ifstream in("/proc/self/mountinfo");
   std::stringstream ss;

@@ -1,0 +1,24 @@
+// libFuzzer target: the handoff decoders never crash, and a config that decodes round-trips
+// through the encoder unchanged.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "agent/fuse/handoff_protocol.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string input(reinterpret_cast<const char*>(data), size);
+  auto config = fusekeeper::DecodeMountConfig(input);
+  if (config.ok()) {
+    auto again = fusekeeper::DecodeMountConfig(fusekeeper::EncodeMountConfig(*config));
+    if (!again.ok() || again->volume_id != config->volume_id ||
+        again->mount_options != config->mount_options || again->volume_context != config->volume_context ||
+        again->secrets != config->secrets || again->uid != config->uid || again->gid != config->gid ||
+        again->mount_group != config->mount_group || again->read_only != config->read_only) {
+      __builtin_trap();
+    }
+  }
+  (void)fusekeeper::DecodeHandoffReply(input);
+  (void)fusekeeper::JsonQuote(input);
+  return 0;
+}
