@@ -418,6 +418,33 @@ TEST_F(FuseE2ETest, MountFlagsKernelOnesHonouredOthersToTheServerInjectionRefuse
   ASSERT_RPC_OK(Unpublish("flags", target));
 }
 
+// The pod's socket directory (its emptyDir) must be a real directory owned by root or the
+// server's uid: a symlink, or someone else's directory, is refused and nothing is created.
+TEST_F(FuseE2ETest, SocketDirectoriesThatAreSymlinksOrForeignAreRefused) {
+  StartAgent();
+  const std::string outside = root_.path() + "/elsewhere";
+  fs::create_directories(outside);
+  const std::string target = Pod("pod-sym", "vol");
+  const std::string fk = kubelet_ + "/pods/pod-sym/volumes/kubernetes.io~empty-dir/fk";
+  fs::remove_all(fk);
+  fs::create_directory_symlink(outside, fk);
+  grpc::Status s = PublishInline("sym", "pod-sym", target);
+  EXPECT_NE(s.error_code(), grpc::OK);
+  EXPECT_TRUE(s.error_code() == grpc::INVALID_ARGUMENT || s.error_code() == grpc::FAILED_PRECONDITION)
+      << s.error_message();
+  EXPECT_TRUE(fs::is_empty(outside)) << "no socket created through the symlink";
+  EXPECT_EQ(MountCountAt(target), 0);
+
+  const std::string target2 = Pod("pod-foreign", "vol");
+  const std::string fk2 = kubelet_ + "/pods/pod-foreign/volumes/kubernetes.io~empty-dir/fk";
+  ASSERT_EQ(chown(fk2.c_str(), 4242, 4242), 0);  // neither root nor the server's uid
+  s = PublishInline("foreign", "pod-foreign", target2);
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("belongs to uid 4242"), std::string::npos) << s.error_message();
+  EXPECT_FALSE(fs::exists(fk2 + "/fusekeeper.sock"));
+  EXPECT_EQ(MountCountAt(target2), 0);
+}
+
 TEST_F(FuseE2ETest, GarbageOnTheHandoffSocketDoesNotDisturbTheVolume) {
   StartAgent();
   const std::string target = Pod("pod-g", "vol");

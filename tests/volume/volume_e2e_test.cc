@@ -289,6 +289,32 @@ TEST_F(VolumeE2ETest, PathsOutsideTheKubeletDirOrThroughSymlinksAreRefused) {
   ASSERT_RPC_OK(Unstage("v", staging));
 }
 
+// A path component swapped for a symlink between RPCs (after a good publish, before the next):
+// the next RPC refuses it and creates nothing outside the kubelet dir.
+TEST_F(VolumeE2ETest, SymlinksSwappedInBetweenRpcsAreRefused) {
+  const std::string data = HostDir("d"), outside = HostDir("outside");
+  const std::string staging = Staging("v"), target = Target("p", "v");
+  ASSERT_RPC_OK(Stage("v", staging, data));
+  ASSERT_RPC_OK(Publish("v", staging, target));
+  ASSERT_RPC_OK(Unpublish("v", target));
+  // The pod's volume directory is now a symlink to somewhere else.
+  const std::string voldir = kubelet_ + "/pods/p/volumes/kubernetes.io~csi/v";
+  fs::remove_all(voldir);
+  fs::create_directory_symlink(outside, voldir);
+  grpc::Status s = Publish("v", staging, target);
+  EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_FALSE(fs::exists(outside + "/mount"));
+  EXPECT_EQ(MountCountAt(outside + "/mount"), 0);
+  // The staging directory swapped too: unstaging refuses to follow it, and mounts nothing.
+  const std::string real_staging = staging + ".real";
+  ASSERT_EQ(umount2(staging.c_str(), MNT_DETACH), 0);
+  fs::rename(staging, real_staging);
+  fs::create_directory_symlink(outside, staging);
+  s = Publish("v", staging, Target("p2", "v"));
+  EXPECT_NE(s.error_code(), grpc::OK);
+  EXPECT_EQ(MountCountAt(outside), 0) << "nothing mounted through the swapped symlink";
+}
+
 TEST_F(VolumeE2ETest, EveryHostPathTypeIncludingSocketsAndDevices) {
   const std::string base = HostDir("types");
   const std::string dir = base + "/dir", file = base + "/file", sock = base + "/sock",
