@@ -190,13 +190,7 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
 }
 
 void HandoffEndpoint::AwaitReply(Connection* c) {
-  c->in.assign(kMaxHandoffMessageBytes + 1, '\0');
-  c->in_iov = {c->in.data(), c->in.size()};
-  c->in_msg = {};
-  c->in_msg.msg_iov = &c->in_iov;
-  c->in_msg.msg_iovlen = 1;
-  c->in_msg.msg_control = c->in_control;
-  c->in_msg.msg_controllen = sizeof(c->in_control);
+  PrepareReceive(c);
   c->recv.callback = [this, c](int32_t res, bool) {
     Completed();
     loop_.CancelTimer(c->timer);
@@ -236,7 +230,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
                             [this, c] { loop_.Cancel(&c->recv); });
 }
 
-void HandoffEndpoint::WatchServer(Connection* c) {
+void HandoffEndpoint::PrepareReceive(Connection* c) {
   c->in.assign(kMaxHandoffMessageBytes + 1, '\0');
   c->in_iov = {c->in.data(), c->in.size()};
   c->in_msg = {};
@@ -244,6 +238,21 @@ void HandoffEndpoint::WatchServer(Connection* c) {
   c->in_msg.msg_iovlen = 1;
   c->in_msg.msg_control = c->in_control;
   c->in_msg.msg_controllen = sizeof(c->in_control);
+}
+
+std::unique_ptr<HandoffEndpoint::Connection> HandoffEndpoint::TakeConnection(Connection* c) {
+  for (auto it = connections_in_flight_.begin(); it != connections_in_flight_.end(); ++it) {
+    if (it->get() == c) {
+      std::unique_ptr<Connection> taken = std::move(*it);
+      connections_in_flight_.erase(it);
+      return taken;
+    }
+  }
+  return nullptr;
+}
+
+void HandoffEndpoint::WatchServer(Connection* c) {
+  PrepareReceive(c);
   c->recv.callback = [this, c](int32_t res, bool) {
     Completed();
     if (res > 0) {
@@ -262,14 +271,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
     }
     c->fd.Reset();
-    std::unique_ptr<Connection> doomed;
-    for (auto it = connections_in_flight_.begin(); it != connections_in_flight_.end(); ++it) {
-      if (it->get() == c) {
-        doomed = std::move(*it);
-        connections_in_flight_.erase(it);
-        break;
-      }
-    }
+    std::unique_ptr<Connection> doomed = TakeConnection(c);
     if (!stopped_) {
       server_gone_ = true;
       LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
@@ -292,14 +294,7 @@ void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<H
     return;
   }
   c->fd.Reset();
-  std::unique_ptr<Connection> doomed;
-  for (auto it = connections_in_flight_.begin(); it != connections_in_flight_.end(); ++it) {
-    if (it->get() == c) {
-      doomed = std::move(*it);
-      connections_in_flight_.erase(it);
-      break;
-    }
-  }
+  std::unique_ptr<Connection> doomed = TakeConnection(c);
   if (!status.ok()) {
     LOG(WARNING) << "handoff of volume " << config_.volume_id << " to pid " << c->peer_pid
                  << " failed: " << status;

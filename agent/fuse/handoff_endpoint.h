@@ -91,6 +91,10 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply);
   // Keeps the serving server's connection and waits for it to end.
   void WatchServer(Connection* c);
+  // Points the connection's receive message at its buffers.
+  static void PrepareReceive(Connection* c);
+  // Removes c from the in-flight list, handing over its ownership.
+  std::unique_ptr<Connection> TakeConnection(Connection* c);
 
   Loop& loop_;
   UniqueFd listen_fd_;

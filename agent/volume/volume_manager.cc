@@ -229,6 +229,17 @@ void ApplySpec(const VolumeSpec& spec, state::Volume* v) {
 
 bool IsFuse(const state::Volume& v) { return v.kind() == kKindFuse; }
 
+// What a FUSE server is handed besides the volume's config: the request's secrets and the mount
+// flags the kernel does not take (validated earlier, in ParseSpec).
+template <typename Request>
+std::pair<std::map<std::string, std::string>, std::vector<std::string>> ServerInputs(const Request& req) {
+  std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
+  std::vector<std::string> options;
+  state::Fuse unused;
+  (void)ParseFuseMountFlags(req.volume_capability(), &unused, &options);
+  return {std::move(secrets), std::move(options)};
+}
+
 }  // namespace
 
 VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& kubelet,
@@ -538,10 +549,7 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
 
 void VolumeManager::StageFuse(const csi::v1::NodeStageVolumeRequest& req, state::Volume v,
                               std::optional<state::Volume> previous, Done done) {
-  std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
-  std::vector<std::string> options;
-  state::Fuse unused;
-  (void)ParseFuseMountFlags(req.volume_capability(), &unused, &options);  // validated in ParseSpec
+  auto [secrets, options] = ServerInputs(req);
   const std::string id = v.volume_id();
   RunJob<std::shared_ptr<FuseMounted>>(
       id, "NodeStageVolume (fuse)",
@@ -738,10 +746,7 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
 
 void VolumeManager::PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v,
                                       int index, std::optional<state::Volume> previous, Done done) {
-  std::map<std::string, std::string> secrets(req.secrets().begin(), req.secrets().end());
-  std::vector<std::string> options;
-  state::Fuse unused;
-  (void)ParseFuseMountFlags(req.volume_capability(), &unused, &options);  // validated in ParseSpec
+  auto [secrets, options] = ServerInputs(req);
   const std::string id = v.volume_id();
   const std::string target = v.targets(index).path();
   RunJob<std::shared_ptr<FuseMounted>>(

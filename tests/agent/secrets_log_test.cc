@@ -41,13 +41,7 @@ TEST(SecretsLogTest, NoSecretValueReachesTheLogOnAnyRpc) {
     c->set_deadline(std::chrono::system_clock::now() + kTestDeadline);
     return c;
   };
-  auto ready = [&] {
-    ProbeResponse p;
-    auto c = ctx();
-    return identity->Probe(c.get(), {}, &p).ok() && p.ready().value();
-  };
-  auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
-  while (!ready()) ASSERT_LT(std::chrono::steady_clock::now(), deadline);
+  ASSERT_TRUE(WaitForReadyAgent(channel, std::chrono::steady_clock::now() + kTestDeadline));
 
   { GetPluginInfoResponse r; auto c = ctx(); identity->GetPluginInfo(c.get(), {}, &r); }
   { GetPluginCapabilitiesResponse r; auto c = ctx(); identity->GetPluginCapabilities(c.get(), {}, &r); }

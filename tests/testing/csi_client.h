@@ -6,7 +6,10 @@
 #include <memory>
 #include <string>
 
+#include "proto/csi.grpc.pb.h"
 #include "proto/csi.pb.h"
+
+#include <chrono>
 
 namespace fusekeeper {
 
@@ -19,6 +22,20 @@ inline std::shared_ptr<grpc::Channel> DialUnixSocket(const std::string& socket_p
   // Own subchannels: a channel to a restarted agent must not inherit the dead one's backoff.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
+}
+
+// Waits (bounded by `deadline`) until the agent answers Probe with ready (saved volume state
+// reconciled). Returns whether it did.
+inline bool WaitForReadyAgent(const std::shared_ptr<grpc::Channel>& channel,
+                              std::chrono::steady_clock::time_point deadline) {
+  auto identity = csi::v1::Identity::NewStub(channel);
+  while (std::chrono::steady_clock::now() < deadline) {
+    csi::v1::ProbeResponse p;
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + (deadline - std::chrono::steady_clock::now()));
+    if (identity->Probe(&c, {}, &p).ok() && p.ready().value()) return true;
+  }
+  return false;
 }
 
 // A file-system volume capability, single-node writer: what kubelet sends for a mount volume.

@@ -99,13 +99,8 @@ class FuseE2ETest : public ::testing::Test {
     channel_ = DialUnixSocket(root_.path() + "/csi.sock");
     ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline)) << agent_->Stderr();
     node_ = Node::NewStub(channel_);
-    auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
-    while (true) {
-      ProbeResponse p;
-      grpc::ClientContext c;
-      if (Identity::NewStub(channel_)->Probe(&c, {}, &p).ok() && p.ready().value()) break;
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline);
-    }
+    ASSERT_TRUE(WaitForReadyAgent(channel_, std::chrono::steady_clock::now() + kTestDeadline))
+        << agent_->Stderr();
   }
   Subprocess* StartServer(const std::string& socket, std::vector<std::string> mode = {}) {
     if (mode.empty()) mode = {"serve", "--root=" + export_};

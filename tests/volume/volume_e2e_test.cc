@@ -56,13 +56,8 @@ class VolumeE2ETest : public ::testing::Test {
         << agent_->Stderr();
     node_ = Node::NewStub(channel_);
     // Ready once saved state is reconciled.
-    auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
-    while (true) {
-      ProbeResponse p;
-      grpc::ClientContext c;
-      if (Identity::NewStub(channel_)->Probe(&c, {}, &p).ok() && p.ready().value()) break;
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << agent_->Stderr();
-    }
+    ASSERT_TRUE(WaitForReadyAgent(channel_, std::chrono::steady_clock::now() + kTestDeadline))
+        << agent_->Stderr();
   }
   void StopAgent() {
     if (!agent_) return;
