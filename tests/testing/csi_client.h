@@ -11,6 +11,13 @@
 
 #include <chrono>
 
+// Fails the test (with the RPC expression and its message) unless the gRPC status is OK.
+#define ASSERT_RPC_OK(expr)                                      \
+  do {                                                           \
+    grpc::Status _s = (expr);                                    \
+    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.error_message(); \
+  } while (0)
+
 namespace fusekeeper {
 
 // A channel that retries fast while the agent is starting (gRPC's default backoff starts at 1 s).

@@ -182,12 +182,6 @@ class FuseE2ETest : public ::testing::Test {
   std::unique_ptr<Node::Stub> node_;
 };
 
-#define ASSERT_RPC_OK(expr)                                        \
-  do {                                                             \
-    grpc::Status _s = (expr);                                      \
-    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.error_message();   \
-  } while (0)
-
 TEST_F(FuseE2ETest, InlineVolumePublishedBeforeItsSidecarThenServedUnprivileged) {
   StartAgent();
   const std::string target = Pod("pod-1", "vol");

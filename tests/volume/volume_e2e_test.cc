@@ -158,12 +158,6 @@ class VolumeE2ETest : public ::testing::Test {
   std::unique_ptr<Node::Stub> node_;
 };
 
-#define ASSERT_RPC_OK(expr)                                    \
-  do {                                                         \
-    grpc::Status _s = (expr);                                  \
-    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.error_message(); \
-  } while (0)
-
 TEST_F(VolumeE2ETest, StagePublishReadWriteUnpublishUnstage) {
   const std::string data = HostDir("data");
   { std::ofstream(data + "/hello.txt") << "from the host"; }
