@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <functional>
 #include <regex>
 #include <thread>
 
@@ -25,6 +26,7 @@
 #include "agent/loop/loop.h"
 #include "agent/loop/signals.h"
 #include "agent/mount/table_reader.h"
+#include "agent/mount/table_watcher.h"
 #include "agent/paths/host_path.h"
 #include "agent/sys/syscalls.h"
 #include "agent/paths/kubelet_dir.h"
@@ -68,6 +70,9 @@ DEFINE_int32(handoff_timeout_ms, 300000,
              "a FUSE volume no server has claimed by then is aborted, unmounted and forgotten");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
+DEFINE_int32(audit_period_ms, 60000,
+             "how often every volume's mounts are compared with the mount table, as a safety net "
+             "beside mount-table change events and FUSE server connection events");
 DEFINE_int32(shutdown_grace_ms, 10000,
              "on SIGTERM, how long in-flight RPCs and blocking work may take to finish");
 
@@ -103,7 +108,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1) {
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_audit_period_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
                   "--shutdown_grace_ms >= 0";
     return 2;
@@ -192,12 +197,30 @@ int main(int argc, char** argv) {
     return 5;
   }
 
-  loop->Post([&volumes] {
-    volumes.Start([](absl::Status s) {
+  // Recovery's detection: mount-table change events, a periodic audit, and one at start-up.
+  std::unique_ptr<fusekeeper::MountTableWatcher> watcher;
+  std::function<void()> periodic_audit = [&] {
+    volumes.Audit("periodic audit");
+    loop->AddTimer(std::chrono::milliseconds(FLAGS_audit_period_ms), periodic_audit);
+  };
+  loop->Post([&] {
+    volumes.Start([&](absl::Status s) {
       if (!s.ok()) {
         LOG(ERROR) << "reconciling volume state failed: " << s
                    << "; Probe stays not-ready and volume RPCs answer UNAVAILABLE";
+        return;
       }
+      volumes.Audit("start-up");
+      auto w = fusekeeper::MountTableWatcher::Start(*loop, [&volumes](fusekeeper::MountTableWatcher::Done done) {
+        volumes.Audit("mount table changed", std::move(done));
+      });
+      if (w.ok()) {
+        watcher = std::move(*w);
+      } else {
+        LOG(WARNING) << "no mount-table change events (" << w.status()
+                     << "); recovery relies on the periodic audit";
+      }
+      loop->AddTimer(std::chrono::milliseconds(FLAGS_audit_period_ms), periodic_audit);
     });
   });
   LOG(INFO) << "fusekeeper " << fusekeeper::kVersion << " node " << node_id << " driver "
@@ -206,6 +229,7 @@ int main(int argc, char** argv) {
   loop->Run();
   if (shutdown_thread.joinable()) shutdown_thread.join();
   server.reset();
+  watcher.reset();
   LOG(INFO) << "fusekeeper stopped";
   return 0;
 }

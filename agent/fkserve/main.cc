@@ -46,10 +46,12 @@ int Fail(int code, const std::string& message) {
 }
 
 // Replies to the agent; failures to reply are reported but do not change what happens next.
-void Reply(int sock, bool ok, const std::string& error) {
+void Reply(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "") {
   fusekeeper::HandoffReply r;
   r.ok = ok;
   r.error = error;
+  r.fresh = fresh;
+  r.init = init;
   r.server = absl::StrCat("fkserve ", fusekeeper::kVersion);
   auto s = fusekeeper::SendHandoffMessage(sock, fusekeeper::EncodeHandoffReply(r), -1);
   if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
@@ -136,6 +138,7 @@ int main(int argc, char** argv) {
   if (FLAGS_socket.empty()) return Fail(2, "--socket is required");
   if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
 
+  fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -155,17 +158,30 @@ int main(int argc, char** argv) {
     return Fail(3, absl::StrCat("the peer on ", FLAGS_socket, " runs as uid ", cred.uid,
                                 ", not the agent's uid ", FLAGS_agent_uid, "; refusing it"));
   }
-  auto msg = fusekeeper::ReceiveHandoffMessage(sock.get());
-  if (!msg.ok()) return Fail(4, absl::StrCat("receiving from the agent: ", msg.status().message()));
-  auto config = fusekeeper::DecodeMountConfig(msg->payload);
-  if (!config.ok()) return Fail(4, std::string(config.status().message()));
-  struct stat st;
-  if (!msg->fd.valid() || fstat(msg->fd.get(), &st) != 0 || !S_ISCHR(st.st_mode) ||
-      major(st.st_rdev) != 10 || minor(st.st_rdev) != 229) {
-    Reply(sock.get(), false, "the fd received is not /dev/fuse");
-    return Fail(4, "the agent's message did not carry a /dev/fuse fd");
+  // A live connection this mode cannot adopt is answered with a request for a fresh one, which
+  // the agent sends on the same socket.
+  absl::StatusOr<fusekeeper::ReceivedMessage> msg;
+  absl::StatusOr<fusekeeper::MountConfig> config;
+  for (int round = 0;; ++round) {
+    msg = fusekeeper::ReceiveHandoffMessage(sock.get());
+    if (!msg.ok()) return Fail(4, absl::StrCat("receiving from the agent: ", msg.status().message()));
+    config = fusekeeper::DecodeMountConfig(msg->payload);
+    if (!config.ok()) return Fail(4, std::string(config.status().message()));
+    struct stat st;
+    if (!msg->fd.valid() || fstat(msg->fd.get(), &st) != 0 || !S_ISCHR(st.st_mode) ||
+        major(st.st_rdev) != 10 || minor(st.st_rdev) != 229) {
+      Reply(sock.get(), false, "the fd received is not /dev/fuse");
+      return Fail(4, "the agent's message did not carry a /dev/fuse fd");
+    }
+    const bool can_adopt = mode == "serve" && !config->init.empty();
+    if (!config->live || can_adopt) break;
+    if (round > 0) return Fail(4, "the agent offered a live connection again after a fresh one was asked for");
+    fprintf(stderr, "fkserve: volume %s: cannot adopt the live connection in %s mode; asking for a fresh one\n",
+            config->volume_id.c_str(), mode.c_str());
+    Reply(sock.get(), false, absl::StrCat(mode, " mode cannot adopt a live connection"), /*fresh=*/true);
   }
-  fprintf(stderr, "fkserve: serving volume %s (%s)\n", config->volume_id.c_str(), mode.c_str());
+  fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", config->volume_id.c_str(), mode.c_str(),
+          config->live ? ", adopting the live connection" : "");
 
   if (mode == "launch") return Launch(sock.get(), std::move(msg->fd), program);
 
@@ -178,7 +194,19 @@ int main(int argc, char** argv) {
     Reply(sock.get(), false, absl::StrCat("export root ", FLAGS_root, " is not a directory this server can see"));
     return Fail(5, absl::StrCat("--root ", FLAGS_root, " is not a directory"));
   }
-  Reply(sock.get(), true, "");
+  if (config->live) {
+    options.init_request = config->init;
+    options.live = true;
+  } else {
+    // Read the INIT now, to report it: a successor adopting this connection replays it.
+    auto init = fusekeeper::ReadInitRequest(msg->fd.get(), 10000);
+    if (!init.ok()) {
+      Reply(sock.get(), false, std::string(init.status().message()));
+      return Fail(5, std::string(init.status().message()));
+    }
+    options.init_request = std::move(*init);
+  }
+  Reply(sock.get(), true, "", false, config->live ? "" : options.init_request);
   // The connection stays open while we serve; its end (and why) is reported to the agent.
   absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
   Reply(sock.get(), s.ok(), s.ok() ? "" : std::string(s.message()));

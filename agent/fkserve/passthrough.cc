@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <linux/fuse.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/xattr.h>
@@ -27,11 +29,19 @@ struct Inode {
   uint64_t nlookup = 0;  // kernel references
 };
 
+// Node ids are stable across server restarts: st_ino + 2 for inodes on the export root's file
+// system (0 and 1 are reserved by FUSE), so a server adopting a live connection can resolve the
+// node ids its dead predecessor handed out (by walking the export, see Resolve). Inodes on other
+// file systems (mounts inside the export) get ids from a counter and are not resumable.
+constexpr uint64_t kForeignBase = 1ULL << 62;
+
 class Fs {
  public:
-  explicit Fs(const PassthroughOptions& o) : options_(o) {}
+  explicit Fs(const PassthroughOptions& o) : options_(o), handle_generation_(RandomGeneration()) {}
   ~Fs() {
-    for (auto& [key, inode] : inodes_) close(inode->fd);
+    for (auto& [id, inode] : inodes_) close(inode->fd);
+    for (auto& [fh, fd] : files_) close(fd);
+    for (auto& [fh, d] : dirs_) closedir(d);
     if (root_.fd >= 0) close(root_.fd);
   }
 
@@ -46,11 +56,14 @@ class Fs {
     return absl::OkStatus();
   }
 
-  Inode& Get(fuse_ino_t ino) {
-    if (ino == FUSE_ROOT_ID) return root_;
-    return *reinterpret_cast<Inode*>(ino);
+  // The inode for a node id, or null (ESTALE) if it cannot be found any more.
+  Inode* Get(fuse_ino_t ino) {
+    if (ino == FUSE_ROOT_ID) return &root_;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = inodes_.find(ino);
+    if (it != inodes_.end()) return it->second.get();
+    return Resolve(ino);
   }
-  fuse_ino_t Id(Inode& i) { return &i == &root_ ? FUSE_ROOT_ID : reinterpret_cast<fuse_ino_t>(&i); }
 
   // Presentation of attributes: the mount group, read-only.
   void Present(struct stat* st) const {
@@ -65,33 +78,33 @@ class Fs {
     memset(e, 0, sizeof(*e));
     e->attr_timeout = 1.0;
     e->entry_timeout = 1.0;
-    int fd = openat(Get(parent).fd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    Inode* p = Get(parent);
+    if (p == nullptr) return ESTALE;
+    int fd = openat(p->fd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return errno;
     if (fstatat(fd, "", &e->attr, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
       int err = errno;
       close(fd);
       return err;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    auto key = std::make_pair(e->attr.st_dev, e->attr.st_ino);
-    auto it = inodes_.find(key);
-    Inode* inode;
-    if (it != inodes_.end()) {
-      inode = it->second.get();
+    if (e->attr.st_dev == root_.dev && e->attr.st_ino == root_.ino) {
       close(fd);
-    } else if (key == std::make_pair(root_.dev, root_.ino)) {
-      inode = &root_;
-      close(fd);
-    } else {
-      auto fresh = std::make_unique<Inode>();
-      fresh->fd = fd;
-      fresh->dev = key.first;
-      fresh->ino = key.second;
-      inode = fresh.get();
-      inodes_[key] = std::move(fresh);
+      e->ino = FUSE_ROOT_ID;
+      Present(&e->attr);
+      return 0;
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    fuse_ino_t id = 0;
+    if (e->attr.st_dev == root_.dev) {
+      id = static_cast<fuse_ino_t>(e->attr.st_ino) + 2;
+    } else {
+      auto f = foreign_.find({e->attr.st_dev, e->attr.st_ino});
+      id = f != foreign_.end() ? f->second : kForeignBase + next_foreign_++;
+      foreign_[{e->attr.st_dev, e->attr.st_ino}] = id;
+    }
+    Inode* inode = Register(id, fd, e->attr.st_dev, e->attr.st_ino);
     inode->nlookup++;
-    e->ino = Id(*inode);
+    e->ino = id;
     Present(&e->attr);
     return 0;
   }
@@ -99,25 +112,180 @@ class Fs {
   void Forget(fuse_ino_t ino, uint64_t n) {
     if (ino == FUSE_ROOT_ID) return;
     std::lock_guard<std::mutex> lock(mu_);
-    Inode& i = Get(ino);
+    auto it = inodes_.find(ino);
+    if (it == inodes_.end()) return;
+    Inode& i = *it->second;
     i.nlookup -= std::min(n, i.nlookup);
     if (i.nlookup == 0) {
       close(i.fd);
-      inodes_.erase(std::make_pair(i.dev, i.ino));
+      if (ino >= kForeignBase) foreign_.erase({i.dev, i.ino});
+      inodes_.erase(it);
     }
   }
 
-  std::string ProcPath(fuse_ino_t ino) { return absl::StrCat("/proc/self/fd/", Get(ino).fd); }
   bool read_only() const { return options_.read_only; }
+  void* io() const { return io_; }
+  void set_io(void* io) { io_ = io; }
+
+  // File handles: generation-tagged, so a handle a dead predecessor issued is never mistaken for
+  // one of ours; such a handle is re-opened (by its node id) the first time it is used.
+  uint64_t AddFile(int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t fh = handle_generation_ << 32 | next_handle_++;
+    files_[fh] = fd;
+    return fh;
+  }
+  int File(fuse_ino_t ino, uint64_t fh) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = files_.find(fh);
+      if (it != files_.end()) return it->second;
+      if ((fh >> 32) == handle_generation_) return -1;  // ours, and released
+    }
+    Inode* inode = Get(ino);
+    if (inode == nullptr) return -1;
+    const std::string path = absl::StrCat("/proc/self/fd/", inode->fd);
+    int fd = open(path.c_str(), (options_.read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC);
+    if (fd < 0) fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    std::lock_guard<std::mutex> lock(mu_);
+    files_[fh] = fd;
+    return fd;
+  }
+  void ReleaseFile(uint64_t fh) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = files_.find(fh);
+    if (it == files_.end()) return;
+    close(it->second);
+    files_.erase(it);
+  }
+  uint64_t AddDir(DIR* d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t fh = handle_generation_ << 32 | next_handle_++;
+    dirs_[fh] = d;
+    return fh;
+  }
+  DIR* Dir(fuse_ino_t ino, uint64_t fh) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = dirs_.find(fh);
+      if (it != dirs_.end()) return it->second;
+      if ((fh >> 32) == handle_generation_) return nullptr;
+    }
+    Inode* inode = Get(ino);
+    if (inode == nullptr) return nullptr;
+    int fd = openat(inode->fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return nullptr;
+    DIR* d = fdopendir(fd);
+    if (d == nullptr) {
+      close(fd);
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    dirs_[fh] = d;
+    return d;
+  }
+  void ReleaseDir(uint64_t fh) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = dirs_.find(fh);
+    if (it == dirs_.end()) return;
+    closedir(it->second);
+    dirs_.erase(it);
+  }
 
  private:
+  static uint64_t RandomGeneration() {
+    uint32_t g = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      (void)!read(fd, &g, sizeof(g));
+      close(fd);
+    }
+    return g == 0 ? static_cast<uint64_t>(getpid()) : g;
+  }
+
+  // mu_ held.
+  Inode* Register(fuse_ino_t id, int fd, dev_t dev, ino_t ino) {
+    auto it = inodes_.find(id);
+    if (it != inodes_.end()) {
+      close(fd);
+      return it->second.get();
+    }
+    auto fresh = std::make_unique<Inode>();
+    fresh->fd = fd;
+    fresh->dev = dev;
+    fresh->ino = ino;
+    Inode* raw = fresh.get();
+    inodes_[id] = std::move(fresh);
+    return raw;
+  }
+
+  // mu_ held. A node id we did not issue (a predecessor did): find the inode by walking the
+  // export root's file system, breadth first, up to a bound.
+  Inode* Resolve(fuse_ino_t id) {
+    if (id < 2 || id >= kForeignBase) return nullptr;
+    const ino_t want = static_cast<ino_t>(id - 2);
+    std::vector<int> queue;
+    int first = openat(root_.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (first < 0) return nullptr;
+    queue.push_back(first);
+    Inode* found = nullptr;
+    size_t seen = 0;
+    for (size_t qi = 0; qi < queue.size(); ++qi) {
+      int dfd = queue[qi];
+      DIR* d = found == nullptr && seen < kResolveLimit ? fdopendir(dup(dfd)) : nullptr;
+      close(dfd);
+      if (d == nullptr) continue;
+      while (dirent* e = readdir(d)) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (++seen > kResolveLimit) break;
+        if (e->d_ino == want) {
+          int fd = openat(dirfd(d), e->d_name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+          struct stat st;
+          if (fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == root_.dev && st.st_ino == want) {
+            found = Register(id, fd, st.st_dev, st.st_ino);
+            found->nlookup = 1;
+            break;
+          }
+          if (fd >= 0) close(fd);
+        }
+        if (e->d_type == DT_DIR) {
+          int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+          struct stat st;
+          if (sub >= 0 && fstat(sub, &st) == 0 && st.st_dev == root_.dev) {
+            queue.push_back(sub);
+          } else if (sub >= 0) {
+            close(sub);
+          }
+        }
+      }
+      closedir(d);
+    }
+    return found;
+  }
+
+  static constexpr size_t kResolveLimit = 200000;
   const PassthroughOptions options_;
+  const uint64_t handle_generation_;
   Inode root_;
   std::mutex mu_;
-  std::map<std::pair<dev_t, ino_t>, std::unique_ptr<Inode>> inodes_;
+  std::map<fuse_ino_t, std::unique_ptr<Inode>> inodes_;
+  std::map<std::pair<dev_t, ino_t>, fuse_ino_t> foreign_;
+  uint64_t next_foreign_ = 0;
+  uint32_t next_handle_ = 1;
+  std::map<uint64_t, int> files_;
+  std::map<uint64_t, DIR*> dirs_;
+  void* io_ = nullptr;
 };
 
 Fs* F(fuse_req_t req) { return static_cast<Fs*>(fuse_req_userdata(req)); }
+
+// The inode behind a node id, or an ESTALE reply (a node id no server can resolve any more).
+#define INODE_OR_ESTALE(var, req, ino)          \
+  Inode* var = F(req)->Get(ino);                \
+  if (var == nullptr) return (void)fuse_reply_err(req, ESTALE)
+
+std::string ProcPath(const Inode* i) { return absl::StrCat("/proc/self/fd/", i->fd); }
 
 void ReplyEntryOrErr(fuse_req_t req, fuse_ino_t parent, const char* name) {
   fuse_entry_param e;
@@ -142,8 +310,9 @@ void OpForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
 }
 
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+  INODE_OR_ESTALE(inode, req, ino);
   struct stat st;
-  if (fstatat(F(req)->Get(ino).fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+  if (fstatat(inode->fd, "", &st, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
     return (void)fuse_reply_err(req, errno);
   }
   F(req)->Present(&st);
@@ -152,19 +321,20 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
 
 void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fuse_file_info* fi) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  const std::string path = F(req)->ProcPath(ino);
+  INODE_OR_ESTALE(inode, req, ino);
+  const std::string path = ProcPath(inode);
   if (to_set & FUSE_SET_ATTR_MODE) {
     if (chmod(path.c_str(), attr->st_mode) != 0) return (void)fuse_reply_err(req, errno);
   }
   if (to_set & (FUSE_SET_ATTR_UID | FUSE_SET_ATTR_GID)) {
     uid_t u = (to_set & FUSE_SET_ATTR_UID) ? attr->st_uid : static_cast<uid_t>(-1);
     gid_t g = (to_set & FUSE_SET_ATTR_GID) ? attr->st_gid : static_cast<gid_t>(-1);
-    if (fchownat(F(req)->Get(ino).fd, "", u, g, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
+    if (fchownat(inode->fd, "", u, g, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW) != 0) {
       return (void)fuse_reply_err(req, errno);
     }
   }
   if (to_set & FUSE_SET_ATTR_SIZE) {
-    int r = fi ? ftruncate(static_cast<int>(fi->fh), attr->st_size) : truncate(path.c_str(), attr->st_size);
+    int r = fi ? ftruncate(F(req)->File(ino, fi->fh), attr->st_size) : truncate(path.c_str(), attr->st_size);
     if (r != 0) return (void)fuse_reply_err(req, errno);
   }
   if (to_set & (FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME)) {
@@ -179,8 +349,9 @@ void OpSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fu
 }
 
 void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
+  INODE_OR_ESTALE(inode, req, ino);
   char buf[PATH_MAX + 1];
-  ssize_t n = readlinkat(F(req)->Get(ino).fd, "", buf, PATH_MAX);
+  ssize_t n = readlinkat(inode->fd, "", buf, PATH_MAX);
   if (n < 0) return (void)fuse_reply_err(req, errno);
   buf[n] = '\0';
   fuse_reply_readlink(req, buf);
@@ -188,86 +359,102 @@ void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
 
 void OpMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  if (mkdirat(F(req)->Get(parent).fd, name, mode) != 0) return (void)fuse_reply_err(req, errno);
+  INODE_OR_ESTALE(p, req, parent);
+  if (mkdirat(p->fd, name, mode) != 0) return (void)fuse_reply_err(req, errno);
   ReplyEntryOrErr(req, parent, name);
 }
 
 void OpSymlink(fuse_req_t req, const char* link, fuse_ino_t parent, const char* name) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  if (symlinkat(link, F(req)->Get(parent).fd, name) != 0) return (void)fuse_reply_err(req, errno);
+  INODE_OR_ESTALE(p, req, parent);
+  if (symlinkat(link, p->fd, name) != 0) return (void)fuse_reply_err(req, errno);
   ReplyEntryOrErr(req, parent, name);
 }
 
 void OpUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  fuse_reply_err(req, unlinkat(F(req)->Get(parent).fd, name, 0) == 0 ? 0 : errno);
+  INODE_OR_ESTALE(p, req, parent);
+  fuse_reply_err(req, unlinkat(p->fd, name, 0) == 0 ? 0 : errno);
 }
 
 void OpRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  fuse_reply_err(req, unlinkat(F(req)->Get(parent).fd, name, AT_REMOVEDIR) == 0 ? 0 : errno);
+  INODE_OR_ESTALE(p, req, parent);
+  fuse_reply_err(req, unlinkat(p->fd, name, AT_REMOVEDIR) == 0 ? 0 : errno);
 }
 
 void OpRename(fuse_req_t req, fuse_ino_t parent, const char* name, fuse_ino_t newparent,
               const char* newname, unsigned int flags) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
   if (flags != 0) return (void)fuse_reply_err(req, EINVAL);
-  fuse_reply_err(req, renameat(F(req)->Get(parent).fd, name, F(req)->Get(newparent).fd, newname) == 0 ? 0 : errno);
+  INODE_OR_ESTALE(p, req, parent);
+  INODE_OR_ESTALE(np, req, newparent);
+  fuse_reply_err(req, renameat(p->fd, name, np->fd, newname) == 0 ? 0 : errno);
 }
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   if (F(req)->read_only() && (fi->flags & O_ACCMODE) != O_RDONLY) return (void)fuse_reply_err(req, EROFS);
-  int fd = open(F(req)->ProcPath(ino).c_str(), (fi->flags & ~O_NOFOLLOW) | O_CLOEXEC);
+  INODE_OR_ESTALE(inode, req, ino);
+  int fd = open(ProcPath(inode).c_str(), (fi->flags & ~O_NOFOLLOW) | O_CLOEXEC);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
-  fi->fh = static_cast<uint64_t>(fd);
+  fi->fh = F(req)->AddFile(fd);
   fuse_reply_open(req, fi);
 }
 
 void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, fuse_file_info* fi) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  int fd = openat(F(req)->Get(parent).fd, name, (fi->flags | O_CREAT | O_NOFOLLOW) | O_CLOEXEC, mode);
+  INODE_OR_ESTALE(p, req, parent);
+  int fd = openat(p->fd, name, (fi->flags | O_CREAT | O_NOFOLLOW) | O_CLOEXEC, mode);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
-  fi->fh = static_cast<uint64_t>(fd);
   fuse_entry_param e;
   int err = F(req)->Lookup(parent, name, &e);
   if (err) {
     close(fd);
     return (void)fuse_reply_err(req, err);
   }
+  fi->fh = F(req)->AddFile(fd);
   fuse_reply_create(req, &e, fi);
 }
 
-void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+void OpRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info* fi) {
+  const int fd = F(req)->File(ino, fi->fh);
+  if (fd < 0) return (void)fuse_reply_err(req, EBADF);
   std::string buf(size, '\0');
-  ssize_t n = pread(static_cast<int>(fi->fh), buf.data(), size, off);
+  ssize_t n = pread(fd, buf.data(), size, off);
   if (n < 0) return (void)fuse_reply_err(req, errno);
   fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
 }
 
-void OpWrite(fuse_req_t req, fuse_ino_t, const char* data, size_t size, off_t off, fuse_file_info* fi) {
+void OpWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size, off_t off, fuse_file_info* fi) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  ssize_t n = pwrite(static_cast<int>(fi->fh), data, size, off);
+  const int fd = F(req)->File(ino, fi->fh);
+  if (fd < 0) return (void)fuse_reply_err(req, EBADF);
+  ssize_t n = pwrite(fd, data, size, off);
   if (n < 0) return (void)fuse_reply_err(req, errno);
   fuse_reply_write(req, static_cast<size_t>(n));
 }
 
-void OpFlush(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  int dup_fd = dup(static_cast<int>(fi->fh));
+void OpFlush(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  const int fd = F(req)->File(ino, fi->fh);
+  if (fd < 0) return (void)fuse_reply_err(req, 0);  // nothing of ours to flush
+  int dup_fd = dup(fd);
   fuse_reply_err(req, dup_fd >= 0 && close(dup_fd) == 0 ? 0 : errno);
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  close(static_cast<int>(fi->fh));
+  F(req)->ReleaseFile(fi->fh);
   fuse_reply_err(req, 0);
 }
 
-void OpFsync(fuse_req_t req, fuse_ino_t, int datasync, fuse_file_info* fi) {
-  int fd = static_cast<int>(fi->fh);
+void OpFsync(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info* fi) {
+  const int fd = F(req)->File(ino, fi->fh);
+  if (fd < 0) return (void)fuse_reply_err(req, EBADF);
   fuse_reply_err(req, (datasync ? fdatasync(fd) : fsync(fd)) == 0 ? 0 : errno);
 }
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  int fd = openat(F(req)->Get(ino).fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  INODE_OR_ESTALE(inode, req, ino);
+  int fd = openat(inode->fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
   DIR* d = fdopendir(fd);
   if (d == nullptr) {
@@ -275,12 +462,13 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     close(fd);
     return (void)fuse_reply_err(req, err);
   }
-  fi->fh = reinterpret_cast<uint64_t>(d);
+  fi->fh = F(req)->AddDir(d);
   fuse_reply_open(req, fi);
 }
 
-void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
-  DIR* d = reinterpret_cast<DIR*>(fi->fh);
+void OpReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info* fi) {
+  DIR* d = F(req)->Dir(ino, fi->fh);
+  if (d == nullptr) return (void)fuse_reply_err(req, EBADF);
   std::string buf(size, '\0');
   size_t used = 0;
   seekdir(d, off);
@@ -302,32 +490,36 @@ void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_inf
 }
 
 void OpReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  closedir(reinterpret_cast<DIR*>(fi->fh));
+  F(req)->ReleaseDir(fi->fh);
   fuse_reply_err(req, 0);
 }
 
 void OpStatfs(fuse_req_t req, fuse_ino_t ino) {
+  INODE_OR_ESTALE(inode, req, ino);
   struct statvfs sv;
-  if (fstatvfs(F(req)->Get(ino).fd, &sv) != 0) return (void)fuse_reply_err(req, errno);
+  if (fstatvfs(inode->fd, &sv) != 0) return (void)fuse_reply_err(req, errno);
   fuse_reply_statfs(req, &sv);
 }
 
 void OpSetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size, int flags) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  fuse_reply_err(req, setxattr(F(req)->ProcPath(ino).c_str(), name, value, size, flags) == 0 ? 0 : errno);
+  INODE_OR_ESTALE(inode, req, ino);
+  fuse_reply_err(req, setxattr(ProcPath(inode).c_str(), name, value, size, flags) == 0 ? 0 : errno);
 }
 
 void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
+  INODE_OR_ESTALE(inode, req, ino);
   std::string buf(size, '\0');
-  ssize_t n = getxattr(F(req)->ProcPath(ino).c_str(), name, size ? buf.data() : nullptr, size);
+  ssize_t n = getxattr(ProcPath(inode).c_str(), name, size ? buf.data() : nullptr, size);
   if (n < 0) return (void)fuse_reply_err(req, errno);
   if (size == 0) return (void)fuse_reply_xattr(req, static_cast<size_t>(n));
   fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
 }
 
 void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  INODE_OR_ESTALE(inode, req, ino);
   std::string buf(size, '\0');
-  ssize_t n = listxattr(F(req)->ProcPath(ino).c_str(), size ? buf.data() : nullptr, size);
+  ssize_t n = listxattr(ProcPath(inode).c_str(), size ? buf.data() : nullptr, size);
   if (n < 0) return (void)fuse_reply_err(req, errno);
   if (size == 0) return (void)fuse_reply_xattr(req, static_cast<size_t>(n));
   fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
@@ -335,7 +527,8 @@ void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
 
 void OpRemovexattr(fuse_req_t req, fuse_ino_t ino, const char* name) {
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
-  fuse_reply_err(req, removexattr(F(req)->ProcPath(ino).c_str(), name) == 0 ? 0 : errno);
+  INODE_OR_ESTALE(inode, req, ino);
+  fuse_reply_err(req, removexattr(ProcPath(inode).c_str(), name) == 0 ? 0 : errno);
 }
 
 fuse_lowlevel_ops MakeOps() {
@@ -369,7 +562,75 @@ fuse_lowlevel_ops MakeOps() {
   return o;
 }
 
+// libfuse custom I/O: replays the recorded FUSE_INIT first; on a live connection drops libfuse's
+// answer to it (the kernel had its answer from the first server) and asks for a resend.
+struct ReplayIo {
+  std::string init;
+  bool live = false;
+  bool replayed = false;
+  bool answered = false;
+  uint64_t init_unique = 0;
+};
+
+constexpr int32_t kFuseNotifyResend = 7;  // FUSE_NOTIFY_RESEND, protocol 7.40
+
+ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
+  auto* io = static_cast<ReplayIo*>(static_cast<Fs*>(userdata)->io());
+  if (!io->replayed && !io->init.empty()) {
+    io->replayed = true;
+    if (io->init.size() > len) {
+      errno = EINVAL;
+      return -1;
+    }
+    memcpy(buf, io->init.data(), io->init.size());
+    return static_cast<ssize_t>(io->init.size());
+  }
+  return read(fd, buf, len);
+}
+
+ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
+  auto* io = static_cast<ReplayIo*>(static_cast<Fs*>(userdata)->io());
+  if (io->live && !io->answered && count > 0 && iov[0].iov_len >= sizeof(fuse_out_header)) {
+    const auto* h = static_cast<const fuse_out_header*>(iov[0].iov_base);
+    if (h->unique == io->init_unique) {
+      io->answered = true;
+      size_t total = 0;
+      for (int i = 0; i < count; ++i) total += iov[i].iov_len;
+      fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
+      if (write(fd, &resend, sizeof(resend)) < 0) {
+        fprintf(stderr, "fkserve: the kernel cannot resend requests (%s); requests the previous "
+                "server had read stay unanswered\n", strerror(errno));
+      }
+      return static_cast<ssize_t>(total);
+    }
+  }
+  return writev(fd, iov, count);
+}
+
 }  // namespace
+
+absl::StatusOr<std::string> ReadInitRequest(int fuse_fd, int timeout_ms) {
+  pollfd p{fuse_fd, POLLIN, 0};
+  int r = poll(&p, 1, timeout_ms);
+  if (r == 0) return absl::DeadlineExceededError("no FUSE_INIT arrived on the connection");
+  if (r < 0) return absl::InternalError(absl::StrCat("poll /dev/fuse: ", strerror(errno)));
+  // /dev/fuse refuses reads into buffers smaller than FUSE_MIN_READ_BUFFER (8 KiB).
+  std::string buf(64 * 1024, '\0');
+  ssize_t n = read(fuse_fd, buf.data(), buf.size());
+  if (n < 0) {
+    return absl::UnavailableError(absl::StrCat("reading FUSE_INIT: ", strerror(errno),
+                                               errno == ENODEV ? " (the connection was aborted)" : ""));
+  }
+  if (static_cast<size_t>(n) < sizeof(fuse_in_header)) return absl::InternalError("short read from /dev/fuse");
+  fuse_in_header h;
+  memcpy(&h, buf.data(), sizeof(h));
+  if (h.opcode != FUSE_INIT) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the connection's first request is opcode ", h.opcode, ", not FUSE_INIT: it was served before"));
+  }
+  buf.resize(static_cast<size_t>(n));
+  return buf;
+}
 
 absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
   Fs fs(options);
@@ -377,6 +638,18 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
     close(fuse_fd);
     return s;
   }
+  ReplayIo io;
+  io.init = options.init_request;
+  io.live = options.live;
+  if (io.init.size() >= sizeof(fuse_in_header)) {
+    fuse_in_header h;
+    memcpy(&h, io.init.data(), sizeof(h));
+    io.init_unique = h.unique;
+  } else if (options.live) {
+    close(fuse_fd);
+    return absl::FailedPreconditionError("a live connection needs its recorded FUSE_INIT to be adopted");
+  }
+  fs.set_io(&io);
   static const fuse_lowlevel_ops ops = MakeOps();
   char arg0[] = "fkserve";
   char* argv[] = {arg0, nullptr};
@@ -387,10 +660,11 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
     close(fuse_fd);
     return absl::InternalError("fuse_session_new failed");
   }
-  // libfuse 3.3+: "/dev/fd/N" means "already mounted; serve this fd".
-  if (fuse_session_mount(se, absl::StrCat("/dev/fd/", fuse_fd).c_str()) != 0) {
+  static const fuse_custom_io custom = {.writev = IoWritev, .read = IoRead,
+                                        .splice_receive = nullptr, .splice_send = nullptr};
+  if (fuse_session_custom_io(se, &custom, fuse_fd) != 0) {
     fuse_session_destroy(se);
-    return absl::InternalError("fuse_session_mount(/dev/fd/N) failed");
+    return absl::InternalError("fuse_session_custom_io failed");
   }
   int r = fuse_session_loop(se);
   fuse_session_destroy(se);

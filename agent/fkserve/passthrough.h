@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace fusekeeper {
 
@@ -20,10 +21,22 @@ struct PassthroughOptions {
   std::string root;                     // the directory to export
   bool read_only = false;
   std::optional<uint32_t> mount_group;  // present files with this gid
+  // The connection's FUSE_INIT request, as read from /dev/fuse. It is fed to libfuse first
+  // (the kernel sends INIT once per connection, and libfuse serves nothing before it).
+  std::string init_request;
+  // The connection was served before (adoption after a restart): the INIT was answered already,
+  // so libfuse's answer is dropped, and the kernel is asked to resend the requests the dead
+  // server had read but not answered (FUSE_NOTIFY_RESEND, Linux 6.9+).
+  bool live = false;
 };
 
+// Blocking. Reads the FUSE_INIT request a fresh connection starts with (waiting up to
+// `timeout_ms` for it). Errors name what was wrong (not INIT, connection aborted, timeout).
+absl::StatusOr<std::string> ReadInitRequest(int fuse_fd, int timeout_ms);
+
 // Serves the FUSE connection `fuse_fd` (already mounted by the agent) until it ends (unmount or
-// abort). Blocks. Takes ownership of fuse_fd.
+// abort). Blocks. Takes ownership of fuse_fd. Node ids are stable across restarts (see
+// passthrough.cc), so a successor can adopt the live connection.
 absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options);
 
 }  // namespace fusekeeper

@@ -1,6 +1,7 @@
 #include "agent/fuse/handoff_endpoint.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -29,6 +30,7 @@ struct HandoffEndpoint::Connection {
   Completion send;
   Completion recv;
   TimerId timer = 0;
+  bool live = false;  // the offer was of a connection an earlier server initialised
   bool refused = false;
   bool finished = false;
 };
@@ -72,6 +74,11 @@ std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd lis
   std::shared_ptr<HandoffEndpoint> e(new HandoffEndpoint(loop, std::move(listen_fd), std::move(fuse_fd),
                                                          std::move(config), options, std::move(events)));
   e->ArmAccept();
+  if (e->fuse_fd_) {
+    e->ArmAbortWatch();
+  } else {
+    e->aborted_ = true;  // no connection to offer (an agent restart lost it): servers wait
+  }
   return e;
 }
 
@@ -131,7 +138,11 @@ void HandoffEndpoint::Stop() {
   if (stopped_) return;
   stopped_ = true;
   loop_.Cancel(&accept_);
+  if (abort_watch_ != nullptr) loop_.Cancel(&abort_watch_->completion);
+  abort_watch_ = nullptr;
   listen_fd_.Reset();
+  for (auto& c : parked_) ReleaseLater(std::move(c));
+  parked_.clear();
   for (auto& c : connections_in_flight_) {
     loop_.Cancel(&c->send);
     loop_.Cancel(&c->recv);
@@ -154,16 +165,88 @@ void HandoffEndpoint::OnAccepted(int fd) {
                      absl::StrCat("uid ", cred.uid, " may not serve volume ", config_.volume_id,
                                   " (expected uid ", *options_.peer_uid, ")"));
   }
-  if (served_) {
+  if (serving_) {
     return SendOffer(c, /*refuse=*/true,
                      absl::StrCat("volume ", config_.volume_id, " is already being served"));
+  }
+  if (aborted_) {
+    // The kept connection is dead; this server gets the fresh one the owner is making.
+    parked_.push_back(TakeConnection(c));
+    if (events_.on_fresh_requested) events_.on_fresh_requested();
+    return;
   }
   SendOffer(c, /*refuse=*/false, "");
 }
 
+void HandoffEndpoint::ArmAbortWatch() {
+  // Watches live in a pool of completions with stable addresses: a watch on a replaced
+  // connection can still be completing while the new one is armed. A watch's callback is set
+  // once, when it is created: it may re-arm its own watch, and must not be replaced while it runs.
+  Watch* watch = nullptr;
+  for (auto& w : watches_) {
+    if (!w.in_flight) watch = &w;
+  }
+  if (watch == nullptr) {
+    watch = &watches_.emplace_back();
+    watch->completion.callback = [this, watch](int32_t res, bool) {
+      Completed();
+      watch->in_flight = false;
+      if (watch == abort_watch_) {
+        abort_watch_ = nullptr;
+        if (res > 0 && (res & (POLLERR | POLLHUP)) && !stopped_) {
+          aborted_ = true;
+          serving_ = false;
+          LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
+          if (events_.on_connection_aborted) events_.on_connection_aborted();
+        } else if (res >= 0 && !stopped_) {
+          ArmAbortWatch();  // woken without an error: keep watching
+        }
+      }
+      if (in_flight_ == 0) ReleaseLater(nullptr);
+    };
+  }
+  watch->in_flight = true;
+  abort_watch_ = watch;
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_poll_add(sqe, fuse_fd_.get(), POLLERR);
+  Arm(sqe, &watch->completion);
+}
+
+void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
+  if (stopped_) return;
+  if (abort_watch_ != nullptr) {
+    loop_.Cancel(&abort_watch_->completion);  // completes later as a non-current watch
+    abort_watch_ = nullptr;
+  }
+  fuse_fd_ = std::move(fuse_fd);
+  aborted_ = false;
+  served_ = false;
+  serving_ = false;
+  server_gone_ = false;
+  init_record_.clear();
+  std::vector<std::unique_ptr<Connection>> waiting = std::move(parked_);
+  parked_.clear();
+  for (auto& c : waiting) {
+    Connection* raw = c.get();
+    connections_in_flight_.push_back(std::move(c));
+    SendOffer(raw, /*refuse=*/false, "");
+  }
+  ArmAbortWatch();
+}
+
 void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   c->refused = refuse;
-  c->out = refuse ? EncodeHandoffRefusal(why) : EncodeMountConfig(config_);
+  c->live = !refuse && served_;
+  if (refuse) {
+    c->out = EncodeHandoffRefusal(why);
+  } else if (c->live) {
+    MountConfig live = config_;
+    live.live = true;
+    live.init = init_record_;
+    c->out = EncodeMountConfig(live);
+  } else {
+    c->out = EncodeMountConfig(config_);
+  }
   c->out_iov = {c->out.data(), c->out.size()};
   c->out_msg.msg_iov = &c->out_iov;
   c->out_msg.msg_iovlen = 1;
@@ -216,6 +299,14 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
     }
     auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
     if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
+    if (!reply->ok && reply->fresh && c->live && !stopped_) {
+      // Keep the connection: the server waits on it for a fresh connection's config.
+      LOG(INFO) << "volume " << config_.volume_id << ": server pid " << c->peer_pid
+                << " cannot adopt the live connection and asks for a fresh one";
+      parked_.push_back(TakeConnection(c));
+      if (events_.on_fresh_requested) events_.on_fresh_requested();
+      return;
+    }
     if (!reply->ok) {
       return Finish(c, absl::FailedPreconditionError(absl::StrCat("the server refused: ", reply->error)),
                     std::nullopt);
@@ -274,6 +365,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
     std::unique_ptr<Connection> doomed = TakeConnection(c);
     if (!stopped_) {
       server_gone_ = true;
+      serving_ = false;
       LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
       if (events_.on_server_gone) events_.on_server_gone(why);
     }
@@ -287,6 +379,10 @@ void HandoffEndpoint::WatchServer(Connection* c) {
 void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply) {
   if (status.ok() && !stopped_) {
     served_ = true;
+    serving_ = true;
+    server_gone_ = false;
+    if (c->live) ++adoptions_;
+    if (!c->live && !reply->init.empty()) init_record_ = reply->init;
     LOG(INFO) << "volume " << config_.volume_id << " handed to server pid " << c->peer_pid << " ("
               << reply->server << ")";
     if (events_.on_served) events_.on_served(*reply, c->peer_pid);

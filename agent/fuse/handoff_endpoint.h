@@ -7,15 +7,21 @@
 // read with IORING_OP_RECVMSG under a deadline. Nothing blocks the loop, and many endpoints wait at
 // once without affecting each other or any RPC.
 //
-// After a server has taken the volume, further connections get a refusal (no fd). The serving
+// While a server serves the volume, further connections get a refusal (no fd). The serving
 // server's connection stays open: when it ends (a final message, or a close because the server
-// exited or was killed), on_server_gone reports it. Peers that close
-// early, send garbage, or never answer get their connection closed and are reported; the endpoint
-// keeps listening.
+// exited or was killed), on_server_gone reports it and the endpoint waits for the next server,
+// which is offered the same, still live connection ("live", with the first server's FUSE_INIT
+// record; see handoff_protocol.h). A server that cannot adopt it asks for a fresh one: its
+// connection is parked and on_fresh_requested fires; the owner mounts a fresh connection and
+// calls ReplaceConnection, which offers it to every parked server. The kept fd is also watched
+// (POLLERR through the ring): a connection the kernel aborted fires on_connection_aborted, and
+// servers arriving until ReplaceConnection are parked. Peers that close early, send garbage, or
+// never answer get their connection closed and are reported; the endpoint keeps listening.
 #pragma once
 
 #include <sys/types.h>
 
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +54,10 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     // The server that took the volume stopped serving: it sent its final message (`why` holds
     // its words) or its connection closed (it exited or was killed). Loop thread.
     absl::AnyInvocable<void(const absl::Status& why)> on_server_gone;
+    // A server cannot adopt the live connection and waits for a fresh one. Loop thread.
+    absl::AnyInvocable<void()> on_fresh_requested;
+    // The kept connection was aborted (fusectl abort, or the kernel gave up on it). Loop thread.
+    absl::AnyInvocable<void()> on_connection_aborted;
   };
 
   // Blocking (BlockingPool): creates the listening socket as `name` inside the directory
@@ -57,7 +67,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   static absl::StatusOr<UniqueFd> ListenBlocking(int dir_fd, const std::string& name,
                                                  uid_t owner_uid, gid_t owner_gid);
 
-  // Loop thread. `fuse_fd` is the endpoint's own dup of the connection.
+  // Loop thread. `fuse_fd` is the endpoint's own dup of the connection; invalid: there is none
+  // (the agent restarted): servers that connect are parked and on_fresh_requested fires.
   static std::shared_ptr<HandoffEndpoint> Start(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd,
                                                 MountConfig config, HandoffOptions options,
                                                 Events events);
@@ -67,7 +78,18 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // cancelled. The fuse fd is released (closed) when the last in-flight operation finishes.
   void Stop();
 
+  // Loop thread. A fresh connection (after on_fresh_requested or on_connection_aborted): kept
+  // from now on and offered, not live, to parked servers and the next ones to connect.
+  void ReplaceConnection(UniqueFd fuse_fd);
+
+  // Some server has taken the volume since the connection was (re)made.
   bool served() const { return served_; }
+  // A server is serving right now.
+  bool serving() const { return serving_; }
+  // The kept connection was aborted and not yet replaced.
+  bool aborted() const { return aborted_; }
+  // Servers that took the volume over an already live connection.
+  int adoptions() const { return adoptions_; }
   // The server that was serving has gone (see Events::on_server_gone).
   bool server_gone() const { return server_gone_; }
   int fuse_fd() const { return fuse_fd_.get(); }
@@ -93,6 +115,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void WatchServer(Connection* c);
   // Points the connection's receive message at its buffers.
   static void PrepareReceive(Connection* c);
+  // Watches the kept fd for POLLERR (the connection was aborted).
+  void ArmAbortWatch();
   // Removes c from the in-flight list, handing over its ownership.
   std::unique_ptr<Connection> TakeConnection(Connection* c);
 
@@ -103,12 +127,23 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   const HandoffOptions options_;
   Events events_;
   Completion accept_;
+  struct Watch {
+    Completion completion;
+    bool in_flight = false;
+  };
+  std::deque<Watch> watches_;
+  Watch* abort_watch_ = nullptr;  // the current one
+  std::string init_record_;  // the FUSE_INIT the first server of this connection reported
+  std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;
   std::shared_ptr<HandoffEndpoint> keep_alive_;
   int in_flight_ = 0;
   bool stopped_ = false;
   bool served_ = false;
   bool server_gone_ = false;
+  bool serving_ = false;
+  bool aborted_ = false;
+  int adoptions_ = 0;
   int connections_ = 0;
 };
 

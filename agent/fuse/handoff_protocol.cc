@@ -98,6 +98,35 @@ std::string JsonQuote(absl::string_view s) {
   return out;
 }
 
+std::string EncodeHex(absl::string_view bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 15]);
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> DecodeHex(absl::string_view hex) {
+  if (hex.size() % 2 != 0) return absl::InvalidArgumentError("hex string of odd length");
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(hex.size() / 2);
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
+    if (hi < 0 || lo < 0) return absl::InvalidArgumentError("not a hex string");
+    out.push_back(static_cast<char>(hi << 4 | lo));
+  }
+  return out;
+}
+
 std::string EncodeMountConfig(const MountConfig& c) {
   std::string out = absl::StrCat("{\"version\":", c.version, ",\"volume_id\":", JsonQuote(c.volume_id),
                                  ",\"read_only\":", c.read_only ? "true" : "false", ",\"uid\":", c.uid,
@@ -110,6 +139,7 @@ std::string EncodeMountConfig(const MountConfig& c) {
   out += "]";
   AppendMap(&out, "volume_context", c.volume_context);
   AppendMap(&out, "secrets", c.secrets);
+  if (c.live) absl::StrAppend(&out, ",\"live\":true,\"init\":\"", EncodeHex(c.init), "\"");
   out += "}";
   return out;
 }
@@ -158,6 +188,16 @@ absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json) {
   }
   if (auto s = ReadStringMap(*doc, "volume_context", &c.volume_context); !s.ok()) return s;
   if (auto s = ReadStringMap(*doc, "secrets", &c.secrets); !s.ok()) return s;
+  if (!(*doc)["live"].get(e)) {
+    if (e.get_bool().get(c.live)) return Bad("\"live\" is not a boolean");
+  }
+  if (c.live) {
+    std::string_view hex;
+    if ((*doc)["init"].get_string().get(hex)) return Bad("\"live\" without an \"init\" string");
+    auto raw = DecodeHex(absl::string_view(hex.data(), hex.size()));
+    if (!raw.ok()) return Bad(absl::StrCat("\"init\": ", raw.status().message()));
+    c.init = std::move(*raw);
+  }
   return c;
 }
 
@@ -165,6 +205,8 @@ std::string EncodeHandoffReply(const HandoffReply& r) {
   std::string out = absl::StrCat("{\"version\":", r.version, ",\"ok\":", r.ok ? "true" : "false");
   if (!r.error.empty()) absl::StrAppend(&out, ",\"error\":", JsonQuote(r.error));
   if (!r.server.empty()) absl::StrAppend(&out, ",\"server\":", JsonQuote(r.server));
+  if (r.fresh) out += ",\"fresh\":true";
+  if (!r.init.empty()) absl::StrAppend(&out, ",\"init\":\"", EncodeHex(r.init), "\"");
   out += "}";
   return out;
 }
@@ -178,6 +220,16 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   std::string_view v;
   if (!(*doc)["error"].get_string().get(v)) r.error = std::string(v);
   if (!(*doc)["server"].get_string().get(v)) r.server = std::string(v);
+  simdjson::dom::element e;
+  if (!(*doc)["fresh"].get(e)) {
+    if (e.get_bool().get(r.fresh)) return Bad("\"fresh\" is not a boolean");
+  }
+  if (!(*doc)["init"].get_string().get(v)) {
+    auto raw = DecodeHex(absl::string_view(v.data(), v.size()));
+    if (!raw.ok()) return Bad(absl::StrCat("\"init\": ", raw.status().message()));
+    if (raw->size() > 4096) return Bad("\"init\" is larger than any FUSE_INIT request");
+    r.init = std::move(*raw);
+  }
   if (!r.ok && r.error.empty()) r.error = "the server refused the volume without saying why";
   return r;
 }

@@ -8,8 +8,22 @@
 //   agent → server  {"version":1,"volume_id":"v","read_only":false,"uid":0,"gid":0,
 //                    "mount_group":1000,"mount_options":["..."],"volume_context":{"k":"v"},
 //                    "secrets":{}}                                  + SCM_RIGHTS [fuse fd]
-//   server → agent  {"version":1,"ok":true,"server":"fkserve 0.1.0"}
+//   server → agent  {"version":1,"ok":true,"server":"fkserve 0.1.0","init":"<hex>"}
 //                or {"version":1,"ok":false,"error":"what went wrong"}
+//                or {"version":1,"ok":false,"fresh":true,"error":"cannot adopt a live connection"}
+//
+// Restarts (recovery). The agent keeps its own dup of the connection, so a server that dies does
+// not take the mount with it: requests wait in the kernel. When a server connects to a volume
+// whose connection an earlier server already initialised, the config says "live":true and
+// carries "init": the FUSE_INIT request (hex of the bytes read from /dev/fuse) the first server
+// reported in its ok reply. A server that can adopt a live connection replays that INIT to its
+// FUSE library instead of waiting for one (the kernel sends INIT once per connection), then asks
+// the kernel to resend requests the dead server had read but not answered (FUSE_NOTIFY_RESEND,
+// Linux 6.9+). Node ids and file handles it did not issue must be resolved or answered with
+// ESTALE. A server that cannot adopt answers "fresh":true and keeps the connection open: the
+// agent mounts a fresh connection, re-binds every pod target, and sends a new config (live:false)
+// with the new fd on the same connection. Servers should report "init" so that their successors
+// can adopt.
 //
 // After an ok reply the server keeps the connection open for as long as it serves. When it stops
 // it may send one final HandoffReply (ok:true for a clean stop, ok:false with the reason, e.g. a
@@ -51,6 +65,9 @@ struct MountConfig {
   std::vector<std::string> mount_options;
   std::map<std::string, std::string> volume_context;
   std::map<std::string, std::string> secrets;
+  // The connection was initialised by an earlier server; `init` is its FUSE_INIT request.
+  bool live = false;
+  std::string init;  // raw bytes (hex on the wire)
 };
 
 struct HandoffReply {
@@ -58,7 +75,13 @@ struct HandoffReply {
   bool ok = false;
   std::string error;   // when !ok
   std::string server;  // free-form name/version of the server
+  bool fresh = false;  // !ok: the server cannot adopt a live connection and asks for a fresh one
+  std::string init;    // ok: the FUSE_INIT request the server read (raw bytes; hex on the wire)
 };
+
+// Hex codec for the "init" fields; DecodeHex fails on odd length or non-hex characters.
+std::string EncodeHex(absl::string_view bytes);
+absl::StatusOr<std::string> DecodeHex(absl::string_view hex);
 
 std::string EncodeMountConfig(const MountConfig& config);
 std::string EncodeHandoffRefusal(absl::string_view error);

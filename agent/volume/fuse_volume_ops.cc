@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/base/status.h"
 #include "agent/fuse/fuse_mount.h"
@@ -55,6 +56,31 @@ absl::StatusOr<UniqueFd> OpenSocketDirBlocking(const VolumeOpsContext& ctx, cons
   return std::move(*fd);
 }
 
+FuseMountOptions MountOptionsFor(const state::Volume& v, bool read_only_target) {
+  FuseMountOptions mo;
+  mo.subtype = v.fuse().subtype().empty() ? "fusekeeper" : v.fuse().subtype();
+  mo.source = v.volume_id();
+  mo.user_id = v.fuse().server_uid();
+  mo.group_id = v.fuse().server_gid();
+  mo.read_only = v.fuse().read_only() || read_only_target;
+  mo.noexec = v.fuse().noexec();
+  mo.noatime = v.fuse().noatime();
+  mo.max_read = v.fuse().max_read();
+  return mo;
+}
+
+state::MountIdentity IdentityOf(const sys::MountFacts& f) {
+  state::MountIdentity id;
+  id.set_dev_major(f.dev_major);
+  id.set_dev_minor(f.dev_minor);
+  id.set_root(f.root);
+  id.set_unique_id(f.mnt_id);
+  return id;
+}
+
+// How many stacked mounts recovery removes from one path at most.
+constexpr int kMaxStacked = 16;
+
 }  // namespace
 
 absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx, state::Volume v,
@@ -99,15 +125,7 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
   }
   auto dev = OpenFuseDeviceBlocking();
   if (!dev.ok()) return fail(dev.status());
-  FuseMountOptions mo;
-  mo.subtype = v.fuse().subtype().empty() ? "fusekeeper" : v.fuse().subtype();
-  mo.source = v.volume_id();
-  mo.user_id = v.fuse().server_uid();
-  mo.group_id = v.fuse().server_gid();
-  mo.read_only = v.fuse().read_only() || (!staging && v.targets(target_index).readonly());
-  mo.noexec = v.fuse().noexec();
-  mo.noatime = v.fuse().noatime();
-  mo.max_read = v.fuse().max_read();
+  const FuseMountOptions mo = MountOptionsFor(v, !staging && v.targets(target_index).readonly());
   if (auto s = MountFuseBlocking(dev->get(), target->get(), path, mo); !s.ok()) {
     if (created) unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR);
     return fail(s);
@@ -176,6 +194,192 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+absl::StatusOr<std::optional<sys::MountFacts>> TopFactsBlocking(const VolumeOpsContext& ctx,
+                                                                const std::string& path) {
+  auto rel = ctx.kubelet->Relative(path, "path");
+  if (!rel.ok()) return rel.status();
+  auto fd = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!fd.ok()) {
+    if (fd.status().code() == absl::StatusCode::kNotFound) return std::optional<sys::MountFacts>();
+    return fd.status();
+  }
+  return LookupMountAtBlocking(fd->get(), ctx.kubelet->MountTablePath(path));
+}
+
+bool IsFuseType(const std::string& fs_type) { return fs_type == "fuse" || absl::StartsWith(fs_type, "fuse."); }
+}  // namespace
+
+absl::StatusOr<std::optional<state::MountIdentity>> TopMountBlocking(const VolumeOpsContext& ctx,
+                                                                    const std::string& path) {
+  auto facts = TopFactsBlocking(ctx, path);
+  if (!facts.ok()) return facts.status();
+  if (!facts->has_value()) return std::optional<state::MountIdentity>();
+  return std::optional<state::MountIdentity>(IdentityOf(**facts));
+}
+
+absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {
+  const bool in_kubelet_dir = v.staging_path().empty();
+  auto dir = OpenSocketDirBlocking(ctx, v, in_kubelet_dir);
+  if (!dir.ok()) return dir.status();
+  return HandoffEndpoint::ListenBlocking(dir->get(), Name(v.fuse().socket_path()), v.fuse().server_uid(),
+                                         v.fuse().server_gid());
+}
+
+absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, state::Volume v) {
+  const bool staging = !v.staging_path().empty();
+  if (!staging && v.targets_size() != 1) {
+    return absl::FailedPreconditionError(absl::StrCat("volume ", v.volume_id(), " has no single FUSE mount to replace"));
+  }
+  const std::string path = staging ? v.staging_path() : v.targets(0).path();
+  const state::MountIdentity old = staging ? v.staging_mount() : v.targets(0).mount();
+  auto rel = ctx.kubelet->Relative(path, "path");
+  if (!rel.ok()) return rel.status();
+  auto parent = ctx.kubelet->OpenParentBlocking(*rel);
+  if (!parent.ok()) return parent.status();
+  const std::string name(BaseName(*rel));
+  const std::string table_path = ctx.kubelet->MountTablePath(path);
+  FuseRemounted out;
+  // Our old connection first: aborted, so that nothing (no pod, no thread of ours) keeps waiting
+  // on it, then unmounted, stacked copies included.
+  absl::Status aborted = AbortFuseConnectionBlocking(old.dev_minor());
+  if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
+    LOG(WARNING) << "aborting the old FUSE connection of " << path << ": " << aborted;
+  }
+  for (int i = 0; i < kMaxStacked; ++i) {
+    auto top = TopMountBlocking(ctx, path);
+    if (!top.ok()) return top.status();
+    if (!top->has_value()) break;
+    if ((*top)->dev_major() != old.dev_major() || (*top)->dev_minor() != old.dev_minor()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "something fusekeeper did not mount is mounted at ", path, "; not replacing it"));
+    }
+    absl::Status s = UnmountAtBlocking(parent->get(), name, table_path);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
+    ++out.replaced;
+  }
+  auto target = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!target.ok()) return target.status();
+  auto dev = OpenFuseDeviceBlocking();
+  if (!dev.ok()) return dev.status();
+  const FuseMountOptions mo = MountOptionsFor(v, !staging && v.targets(0).readonly());
+  if (auto s = MountFuseBlocking(dev->get(), target->get(), path, mo); !s.ok()) return s;
+  target->Reset();
+  auto id = TopMountBlocking(ctx, path);
+  if (!id.ok()) return id.status();
+  if (!id->has_value()) return absl::InternalError(absl::StrCat("fresh FUSE mount at ", path, " vanished"));
+  if (staging) {
+    *v.mutable_staging_mount() = **id;
+  } else {
+    *v.mutable_targets(0)->mutable_mount() = **id;
+  }
+  v.set_source_dev_major((*id)->dev_major());
+  v.set_source_dev_minor((*id)->dev_minor());
+  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  out.volume = std::move(v);
+  out.fuse_fd = std::move(*dev);
+  return out;
+}
+
+absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx, state::Volume v) {
+  RebindOutcome out;
+  if (v.staging_path().empty() || v.staging_pending()) {
+    out.volume = std::move(v);
+    return out;
+  }
+  auto staging_rel = ctx.kubelet->Relative(v.staging_path(), "staging_target_path");
+  if (!staging_rel.ok()) return staging_rel.status();
+  const state::MountIdentity global = v.staging_mount();
+  bool changed = false;
+  for (int i = 0; i < v.targets_size(); ++i) {
+    state::Target* t = v.mutable_targets(i);
+    if (t->pending()) continue;
+    auto rel = ctx.kubelet->Relative(t->path(), "target_path");
+    if (!rel.ok()) {
+      out.failed.push_back(absl::StrCat(t->path(), ": ", rel.status().message()));
+      continue;
+    }
+    auto parent = ctx.kubelet->OpenParentBlocking(*rel);
+    if (!parent.ok()) {
+      // The pod's volume directory is gone (the pod is being deleted): not ours to touch.
+      out.skipped.push_back(t->path());
+      continue;
+    }
+    const std::string name(BaseName(*rel));
+    const std::string table_path = ctx.kubelet->MountTablePath(t->path());
+    int removed = 0;
+    absl::Status problem;
+    bool healthy = false;
+    for (int k = 0; k <= kMaxStacked; ++k) {
+      auto top = TopFactsBlocking(ctx, t->path());
+      if (!top.ok()) {
+        problem = top.status();
+        break;
+      }
+      if (!top->has_value()) break;
+      if ((*top)->dev_major == global.dev_major() && (*top)->dev_minor == global.dev_minor()) {
+        healthy = removed == 0;  // else: the current global mount was under stale ones
+        break;
+      }
+      // Ours: the mount we made there, or a FUSE mount of an older global connection.
+      const bool ours = ((*top)->dev_major == t->mount().dev_major() && (*top)->dev_minor == t->mount().dev_minor()) ||
+                        IsFuseType((*top)->fs_type);
+      if (!ours || k == kMaxStacked) {
+        problem = absl::FailedPreconditionError(
+            k == kMaxStacked ? absl::StrCat("more than ", kMaxStacked, " stacked mounts")
+                             : "something fusekeeper did not mount is on top of it");
+        break;
+      }
+      absl::Status s = UnmountAtBlocking(parent->get(), name, table_path);
+      if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+        problem = s;
+        break;
+      }
+      ++removed;
+    }
+    if (healthy) continue;
+    if (!problem.ok()) {
+      out.failed.push_back(absl::StrCat(t->path(), ": ", problem.message()));
+      continue;
+    }
+    if (removed > 1) out.stacked_removed += removed - 1;
+    auto source = ctx.kubelet->OpenPathBlocking(*staging_rel);
+    auto target = ctx.kubelet->OpenPathBlocking(*rel);
+    if (!source.ok() || !target.ok()) {
+      out.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
+      continue;
+    }
+    // If the current global mount is already somewhere in the stack, removing the stale ones
+    // above it has healed the target.
+    auto now = TopMountBlocking(ctx, t->path());
+    if (now.ok() && now->has_value() && (*now)->dev_major() == global.dev_major() &&
+        (*now)->dev_minor() == global.dev_minor()) {
+      *t->mutable_mount() = **now;
+    } else {
+      BindOptions bind;
+      bind.read_only = t->readonly();
+      if (auto s = BindMountFdBlocking(source->get(), target->get(), bind, v.staging_path(), t->path()); !s.ok()) {
+        out.failed.push_back(absl::StrCat(t->path(), ": ", s.message()));
+        continue;
+      }
+      target->Reset();
+      auto id = TopMountBlocking(ctx, t->path());
+      if (!id.ok() || !id->has_value()) {
+        out.failed.push_back(absl::StrCat(t->path(), ": the new bind mount vanished"));
+        continue;
+      }
+      *t->mutable_mount() = **id;
+    }
+    out.rebound.push_back(t->path());
+    changed = true;
+  }
+  if (changed) {
+    if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  }
+  out.volume = std::move(v);
+  return out;
 }
 
 }  // namespace fusekeeper

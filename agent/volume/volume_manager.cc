@@ -18,6 +18,8 @@ using csi::v1::VolumeCapability;
 constexpr char kKindHostPath[] = "hostPath";
 constexpr char kKindFuse[] = "fuse";
 constexpr char kPodUidKey[] = "csi.storage.k8s.io/pod.uid";
+constexpr char kPodNameKey[] = "csi.storage.k8s.io/pod.name";
+constexpr char kPodNamespaceKey[] = "csi.storage.k8s.io/pod.namespace";
 
 // What volume_context (and the capability) ask for, validated.
 struct VolumeSpec {
@@ -298,6 +300,7 @@ void VolumeManager::Start(Done done) {
               [this, done = std::move(done)](absl::Status s) mutable {
                 ready_ = s.ok();
                 LOG(INFO) << "volume state reconciled: " << volumes_.size() << " volumes";
+                if (ready_) ListenAgain();
                 done(s);
               });
           if (!sub.ok()) LOG(ERROR) << sub;
@@ -313,34 +316,6 @@ absl::Status VolumeManager::Claim(const std::string& volume_id) {
         absl::StrCat("an operation on volume ", volume_id, " is already in progress"));
   }
   return absl::OkStatus();
-}
-
-template <typename T>
-void VolumeManager::RunJob(const std::string& volume_id, std::string reason,
-                           absl::AnyInvocable<absl::StatusOr<T>()> work,
-                           absl::AnyInvocable<absl::Status(T)> adopt, Done done) {
-  struct Job {
-    absl::AnyInvocable<absl::StatusOr<T>()> work;
-    absl::StatusOr<T> result = absl::UnknownError("not run");
-    absl::AnyInvocable<absl::Status(T)> adopt;
-    Done done;
-  };
-  auto job = std::make_shared<Job>();
-  job->work = std::move(work);
-  job->adopt = std::move(adopt);
-  job->done = std::move(done);
-  absl::Status s = pool_.Submit(
-      std::move(reason), [job] { job->result = job->work(); },
-      [this, volume_id, job](absl::Status ran) {
-        busy_.erase(volume_id);
-        if (!ran.ok()) return job->done(ran);
-        if (!job->result.ok()) return job->done(job->result.status());
-        job->done(job->adopt(std::move(*job->result)));
-      });
-  if (!s.ok()) {
-    busy_.erase(volume_id);
-    job->done(s);
-  }
 }
 
 void VolumeManager::RunVolumeJob(
@@ -393,14 +368,20 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
   const std::string key = EndpointKey(v.volume_id(), path);
   StopEndpoint(v.volume_id(), path);
   HandoffEndpoint::Events events;
-  events.on_served = [this, key](const HandoffReply&, pid_t) {
+  const std::string vid = v.volume_id();
+  events.on_served = [this, key, vid, path](const HandoffReply&, pid_t) {
     auto it = endpoints_.find(key);
-    if (it != endpoints_.end()) loop_.CancelTimer(it->second.timeout);
+    if (it == endpoints_.end()) return;
+    loop_.CancelTimer(it->second.timeout);
+    const bool adopted = it->second.endpoint->adoptions() > it->second.adoptions_seen;
+    it->second.adoptions_seen = it->second.endpoint->adoptions();
+    OnServed(vid, path, adopted);
   };
-  events.on_server_gone = [this, key](const absl::Status& why) {
-    auto it = endpoints_.find(key);
-    if (it != endpoints_.end()) it->second.gone_reason = std::string(why.message());
+  events.on_server_gone = [this, vid, path](const absl::Status& why) { OnServerGone(vid, path, why); };
+  events.on_fresh_requested = [this, vid] {
+    RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
+  events.on_connection_aborted = [this, vid] { RepairFuse(vid, "its FUSE connection was aborted"); };
   Endpoint e;
   e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config),
                                       {.reply_timeout = options_.handoff_reply_timeout,
@@ -412,6 +393,36 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
   LOG(INFO) << "volume " << id << ": FUSE mount at " << path << " waits for its server on "
             << v.fuse().socket_path();
   endpoints_[key] = std::move(e);
+}
+
+void VolumeManager::ListenAgain() {
+  // The FUSE connections of volumes mounted before a restart died with the old agent's fds
+  // only if their servers are gone too; either way a server that connects from now on needs a
+  // fresh one. Each volume gets its handoff socket back, without a connection to offer.
+  for (const auto& [id, v] : volumes_) {
+    if (v.kind() != "fuse" || v.fuse().socket_path().empty()) continue;
+    const std::string path = !v.staging_path().empty() ? v.staging_path()
+                             : v.targets_size() == 1   ? v.targets(0).path()
+                                                       : "";
+    if (path.empty() || endpoints_.count(EndpointKey(id, path)) > 0) continue;
+    auto listen = std::make_shared<absl::StatusOr<UniqueFd>>(absl::UnknownError("not run"));
+    absl::Status s = pool_.Submit(
+        "handoff socket after restart",
+        [ctx = ctx_, v = v, listen] { *listen = ListenForServerBlocking(ctx, v); },
+        [this, id = id, path, listen](absl::Status ran) {
+          auto it = volumes_.find(id);
+          if (!ran.ok() || it == volumes_.end()) return;
+          if (!listen->ok()) {
+            LOG(WARNING) << "volume " << id << ": cannot listen for its FUSE server again: " << listen->status();
+            return;
+          }
+          StartEndpoint(it->second, path, UniqueFd(), std::move(**listen), {}, {});
+          auto ep = endpoints_.find(EndpointKey(id, path));
+          loop_.CancelTimer(ep->second.timeout);
+          ep->second.timeout = 0;
+        });
+    if (!s.ok()) LOG(WARNING) << s;
+  }
 }
 
 void VolumeManager::StopEndpoint(const std::string& volume_id, const std::string& path) {
@@ -704,6 +715,9 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     t->set_path(target);
     t->set_readonly(bind ? bind->read_only : req.readonly());
     t->set_fingerprint(fp);
+    t->set_pod_namespace(Get(req.volume_context(), kPodNamespaceKey));
+    t->set_pod_name(Get(req.volume_context(), kPodNameKey));
+    t->set_pod_uid(Get(req.volume_context(), kPodUidKey));
     index = v.targets_size() - 1;
   }
   if (auto s = Claim(id); !s.ok()) return done(s);
@@ -848,6 +862,11 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
       return done(resp);
     }
   }
+  Probe(path, mount_path, id, std::move(done));
+}
+
+void VolumeManager::Probe(const std::string& path, const std::string& mount_path,
+                          const state::MountIdentity& id, StatsDone done) {
   if (probes_outstanding_.count(mount_path) > 0) {
     // An earlier statfs of this mount has not returned: it is unresponsive, and a second probe
     // would only pin another thread.
@@ -877,7 +896,7 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
   });
   probes_outstanding_.insert(mount_path);
   absl::Status s = probe_pool_->Submit(
-      "NodeGetVolumeStats",
+      "statfs probe",
       [ctx = ctx_, race, mount_path, id] { race->result = StatsBlocking(ctx, mount_path, id); },
       [this, race, mount_path](absl::Status ran) {
         probes_outstanding_.erase(mount_path);

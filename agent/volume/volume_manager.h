@@ -12,6 +12,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -32,6 +33,24 @@
 
 namespace fusekeeper {
 
+// A pod a volume is published to (CSIDriver podInfoOnMount), for Events.
+struct PodRef {
+  std::string namespace_;
+  std::string name;
+  std::string uid;
+};
+
+// What recovery reports. Loop thread; both may be empty.
+struct RecoveryHooks {
+  // A Kubernetes Event about `pod` (type "Normal" or "Warning").
+  absl::AnyInvocable<void(const PodRef& pod, const std::string& type, const std::string& reason,
+                          const std::string& message)>
+      on_event;
+  // A recovery finished: outcome "recovered" or "failed"; `latency` from detection to the end.
+  absl::AnyInvocable<void(const std::string& how, const std::string& outcome, absl::Duration latency)>
+      on_recovery;
+};
+
 struct VolumeManagerOptions {
   // NodeGetVolumeStats answers `abnormal` if statfs has not returned by then.
   absl::Duration stats_timeout = absl::Seconds(5);
@@ -49,6 +68,9 @@ struct VolumeManagerOptions {
   // volume costs one parked thread), up to max_probe_threads.
   int probe_threads = 2;
   int max_probe_threads = 1024;
+  // A failed repair is retried after this, doubling up to max_repair_backoff.
+  absl::Duration repair_backoff = absl::Milliseconds(200);
+  absl::Duration max_repair_backoff = absl::Seconds(30);
 };
 
 class VolumeManager {
@@ -76,6 +98,24 @@ class VolumeManager {
 
   size_t volume_count() const { return volumes_.size(); }
 
+  // --- Recovery (volume_recovery.cc) ---
+  void set_recovery_hooks(RecoveryHooks hooks) { hooks_ = std::move(hooks); }
+  // Loop thread. Compares every volume's mounts with the mount table (read through the ring) and
+  // repairs what is broken: a global mount that is gone (remount a fresh connection) or was
+  // replaced by someone else (adopt it), pod targets not bound to the current global mount
+  // (bind again). Volumes with an RPC in flight are skipped (the next audit sees them).
+  // `why` names the trigger ("mount table changed", "periodic audit", "start-up").
+  void Audit(const std::string& why, absl::AnyInvocable<void()> done = nullptr);
+  // Loop thread. The kubelet saw the container of a volume's FUSE server restart.
+  void ServerContainerRestarted(const PodRef& pod, const std::string& container);
+
+  struct Counts {
+    std::map<std::string, int> volumes_by_kind_state;  // "fuse/serving", "hostPath/mounted", ...
+    int handoffs_waiting = 0;
+    int repairs_in_progress = 0;
+  };
+  Counts counts() const;
+
  private:
   // Marks volume_id busy for the duration; ABORTED if it already is, UNAVAILABLE before Start.
   absl::Status Claim(const std::string& volume_id);
@@ -93,12 +133,29 @@ class VolumeManager {
                      UniqueFd listen_fd, const std::map<std::string, std::string>& secrets,
                      const std::vector<std::string>& mount_options);
   void StopEndpoint(const std::string& volume_id, const std::string& path);
+  // After start-up: handoff sockets for FUSE volumes mounted by an earlier agent.
+  void ListenAgain();
   void OnHandoffTimeout(const std::string& volume_id, const std::string& path);
   void StageFuse(const csi::v1::NodeStageVolumeRequest& req, state::Volume v,
                  std::optional<state::Volume> previous, Done done);
   void PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v, int index,
                          std::optional<state::Volume> previous, Done done);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
+  // statfs of the mount at mount_path (which must be `id`) on the probe pool, answered within
+  // the stats deadline: abnormal if it is unresponsive (`path` names it in messages).
+  void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,
+             StatsDone done);
+  // Recovery (volume_recovery.cc).
+  void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
+  void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
+  void RepairFuse(const std::string& volume_id, const std::string& why);
+  void Rebind(const std::string& volume_id, const std::string& why, std::optional<state::MountIdentity> adopt_global);
+  // Checks every mount of the volume through the FUSE server (statfs, under the stats deadline)
+  // and reports MountRecovered / MountRecoveryFailed.
+  void Verify(const std::string& volume_id, const std::string& how, absl::Time since);
+  void EventForVolume(const state::Volume& v, const std::string& type, const std::string& reason,
+                      const std::string& message);
+  void RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn);
 
   Loop& loop_;
   BlockingPool& pool_;
@@ -114,12 +171,46 @@ class VolumeManager {
     std::shared_ptr<HandoffEndpoint> endpoint;
     TimerId timeout = 0;
     std::string gone_reason;  // why its server stopped serving, once it has
+    int adoptions_seen = 0;
+    absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
+    std::string recovering_how;
   };
   std::map<std::string, Endpoint> endpoints_;
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;
   // Mount paths with a statfs still outstanding (possibly hung): never more than one each.
   std::unordered_set<std::string> probes_outstanding_;
+  RecoveryHooks hooks_;
+  std::unordered_set<std::string> repairing_;           // volumes with a repair queued or running
+  std::map<std::string, absl::Duration> backoff_;       // per volume, after failed repairs
 };
+
+template <typename T>
+void VolumeManager::RunJob(const std::string& volume_id, std::string reason,
+                           absl::AnyInvocable<absl::StatusOr<T>()> work,
+                           absl::AnyInvocable<absl::Status(T)> adopt, Done done) {
+  struct Job {
+    absl::AnyInvocable<absl::StatusOr<T>()> work;
+    absl::StatusOr<T> result = absl::UnknownError("not run");
+    absl::AnyInvocable<absl::Status(T)> adopt;
+    Done done;
+  };
+  auto job = std::make_shared<Job>();
+  job->work = std::move(work);
+  job->adopt = std::move(adopt);
+  job->done = std::move(done);
+  absl::Status s = pool_.Submit(
+      std::move(reason), [job] { job->result = job->work(); },
+      [this, volume_id, job](absl::Status ran) {
+        busy_.erase(volume_id);
+        if (!ran.ok()) return job->done(ran);
+        if (!job->result.ok()) return job->done(job->result.status());
+        job->done(job->adopt(std::move(*job->result)));
+      });
+  if (!s.ok()) {
+    busy_.erase(volume_id);
+    job->done(s);
+  }
+}
 
 }  // namespace fusekeeper

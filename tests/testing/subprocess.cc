@@ -10,6 +10,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <poll.h>
+#include <sys/inotify.h>
 #include <sstream>
 
 #include "glog/logging.h"
@@ -81,6 +83,32 @@ std::optional<int> Subprocess::Wait(std::chrono::milliseconds timeout) {
   reaped_ = true;
   status_ = status;
   return status;
+}
+
+int Subprocess::CountInStderr(const std::string& what) const {
+  const std::string log = Stderr();
+  int n = 0;
+  for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+  return n;
+}
+
+bool Subprocess::WaitForStderr(const std::string& what, int count, std::chrono::milliseconds timeout) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int in = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+  if (in < 0) return false;
+  inotify_add_watch(in, stderr_path_.c_str(), IN_MODIFY);
+  bool found = false;
+  while (!(found = CountInStderr(what) >= count)) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    pollfd p{in, POLLIN, 0};
+    poll(&p, 1, static_cast<int>(left.count()));
+    char buf[4096];
+    while (read(in, buf, sizeof(buf)) > 0) {
+    }
+  }
+  close(in);
+  return found;
 }
 
 std::string Subprocess::Stderr() const {

@@ -27,6 +27,10 @@ class Subprocess {
   std::optional<int> Wait(std::chrono::milliseconds timeout);
   // Everything the child wrote to stderr so far (reads the capture file).
   std::string Stderr() const;
+  // Waits (inotify on the capture file, no polling) until `what` occurs at least `count` times
+  // in stderr; false after `timeout`.
+  bool WaitForStderr(const std::string& what, int count, std::chrono::milliseconds timeout) const;
+  int CountInStderr(const std::string& what) const;
 
  private:
   pid_t pid_ = -1;

@@ -1,0 +1,186 @@
+// The FUSE end-to-end fixture: the real agent binary and the real reference server (fkserve, run
+// unprivileged as uid 65534) in the test's private mount namespace, with a real /dev/fuse.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+
+#include "absl/strings/match.h"
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/volume/state_store.h"
+#include "gtest/gtest.h"
+#include "proto/csi.grpc.pb.h"
+#include "tests/testing/csi_client.h"
+#include "tests/testing/loop_thread.h"
+#include "tests/testing/mount_fixture.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+
+using namespace csi::v1;
+namespace fs = std::filesystem;
+constexpr uid_t kServerUid = 65534;
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// Waits (on POLLPRI from /proc/self/mountinfo, no sleeping) until `path` has `n` mounts.
+inline bool WaitForMountCount(const std::string& path, int n) {
+  UniqueFd fd(open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC));
+  auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+  while (MountCountAt(path) != n) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd.get(), POLLPRI, 0};
+    poll(&p, 1, static_cast<int>(left.count()));
+    char buf[4096];
+    lseek(fd.get(), 0, SEEK_SET);
+    while (read(fd.get(), buf, sizeof(buf)) > 0) {
+    }
+  }
+  return true;
+}
+
+// Runs fn on another thread; returns its result, or nullopt if it does not finish in time.
+template <typename F>
+auto WithDeadline(F fn, std::chrono::milliseconds limit = std::chrono::milliseconds(kTestDeadline))
+    -> std::optional<decltype(fn())> {
+  auto task = std::make_shared<std::packaged_task<decltype(fn())()>>(std::move(fn));
+  auto f = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (f.wait_for(limit) != std::future_status::ready) return std::nullopt;
+  return f.get();
+}
+
+class FuseE2ETest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse";
+    kubelet_ = root_.path() + "/kubelet";
+    state_ = root_.path() + "/state";
+    export_ = root_.path() + "/export";
+    fs::create_directories(kubelet_ + "/pods");
+    fs::create_directories(export_);
+    chmod(root_.path().c_str(), 0755);
+    chown(export_.c_str(), kServerUid, kServerUid);
+    { std::ofstream(export_ + "/hello.txt") << "hello from the export\n"; }
+    chown((export_ + "/hello.txt").c_str(), kServerUid, kServerUid);
+    // The unprivileged server needs a copy of its binary outside /root.
+    fkserve_ = root_.path() + "/fkserve";
+    fs::copy_file(RunfilePath("agent/fkserve/fkserve"), fkserve_);
+    chmod(fkserve_.c_str(), 0755);
+  }
+  void TearDown() override {
+    for (auto& s : servers_) s->Signal(SIGKILL);
+    servers_.clear();
+    if (agent_) {
+      agent_->Signal(SIGTERM);
+      agent_->Wait(std::chrono::milliseconds(20000));
+    }
+  }
+
+  void StartAgent(std::vector<std::string> extra = {}) {
+    std::vector<std::string> cmd = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_.path() + "/csi.sock",
+                                    "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + state_,
+                                    "--stats_timeout_ms=1000"};
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    agent_ = std::make_unique<Subprocess>(cmd);
+    channel_ = DialUnixSocket(root_.path() + "/csi.sock");
+    ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline)) << agent_->Stderr();
+    node_ = Node::NewStub(channel_);
+    ASSERT_TRUE(WaitForReadyAgent(channel_, std::chrono::steady_clock::now() + kTestDeadline))
+        << agent_->Stderr();
+  }
+  Subprocess* StartServer(const std::string& socket, std::vector<std::string> mode = {}) {
+    if (mode.empty()) mode = {"serve", "--root=" + export_};
+    std::vector<std::string> cmd = {fkserve_, "--socket=" + socket};
+    cmd.insert(cmd.end(), mode.begin(), mode.end());
+    servers_.push_back(std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [] {
+      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
+        _exit(99);
+      }
+    }));
+    return servers_.back().get();
+  }
+
+  std::unique_ptr<grpc::ClientContext> Ctx() {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + kTestDeadline);
+    return c;
+  }
+  std::map<std::string, std::string> FuseContext() {
+    return {{"kind", "fuse"}, {"serverUid", std::to_string(kServerUid)}, {"bucket", "demo"}};
+  }
+  // A pod with an emptyDir "fk" for the handoff socket; returns its target path for volume `vol`.
+  std::string Pod(const std::string& uid, const std::string& vol) {
+    fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk");
+    chmod((kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk").c_str(), 0777);
+    fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/" + vol);
+    return kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/" + vol + "/mount";
+  }
+  std::string PodSocket(const std::string& uid) {
+    return kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fk/fusekeeper.sock";
+  }
+  grpc::Status PublishInline(const std::string& id, const std::string& pod, const std::string& target,
+                             bool readonly = false, const std::string& fs_group = "",
+                             std::vector<std::string> flags = {}) {
+    NodePublishVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_target_path(target);
+    r.set_readonly(readonly);
+    *r.mutable_volume_capability() = MountCapability();
+    r.mutable_volume_capability()->mutable_mount()->set_volume_mount_group(fs_group);
+    for (const auto& f : flags) r.mutable_volume_capability()->mutable_mount()->add_mount_flags(f);
+    for (const auto& [k, v] : FuseContext()) (*r.mutable_volume_context())[k] = v;
+    (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = pod;
+    (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
+    (*r.mutable_volume_context())["socketVolume"] = "fk";
+    NodePublishVolumeResponse resp;
+    auto c = Ctx();
+    return node_->NodePublishVolume(c.get(), r, &resp);
+  }
+  // Retries ABORTED (an operation on the volume in flight), as kubelet does.
+  grpc::Status Unpublish(const std::string& id, const std::string& target) {
+    NodeUnpublishVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_target_path(target);
+    auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    while (true) {
+      NodeUnpublishVolumeResponse resp;
+      auto c = Ctx();
+      grpc::Status s = node_->NodeUnpublishVolume(c.get(), r, &resp);
+      if (s.error_code() != grpc::ABORTED || std::chrono::steady_clock::now() > deadline) return s;
+    }
+  }
+  NodeGetVolumeStatsResponse Stats(const std::string& id, const std::string& path) {
+    NodeGetVolumeStatsRequest r;
+    r.set_volume_id(id);
+    r.set_volume_path(path);
+    NodeGetVolumeStatsResponse resp;
+    auto c = Ctx();
+    grpc::Status s = node_->NodeGetVolumeStats(c.get(), r, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  TmpfsDir root_;
+  std::string kubelet_, state_, export_, fkserve_;
+  std::unique_ptr<Subprocess> agent_;
+  std::vector<std::unique_ptr<Subprocess>> servers_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<Node::Stub> node_;
+};
+
+}  // namespace fusekeeper

@@ -1,0 +1,272 @@
+// Recovery end to end: real agent, real reference server (unprivileged), real kernel FUSE
+// connections in a private mount namespace. Servers are killed with SIGKILL under continuous
+// reads from two pod targets and restarted; the pods never act.
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
+#include <atomic>
+#include <thread>
+
+#include "glog/logging.h"
+
+#include "agent/fuse/fuse_mount.h"
+#include "tests/testing/hello_fuse_server.h"
+#include "tests/volume/fuse_fixture.h"
+
+namespace fusekeeper {
+namespace {
+
+// Reads `path` over and over (open, read, close) in a process of its own, as a pod would, and
+// counts what happened. A process, not a thread: the test process forks servers, and a fork
+// child inherits open FUSE files, whose close-on-exec sends FUSE_FLUSH to the very server being
+// started (a deadlock no real pod has).
+class Reader {
+ public:
+  explicit Reader(std::string path) : state_(std::make_shared<State>()) {
+    state_->path = std::move(path);
+    int sv[2];
+    PCHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0);
+    pid_ = fork();
+    PCHECK(pid_ >= 0);
+    if (pid_ == 0) {
+      close(sv[0]);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ReadForever(state_->path.c_str(), sv[1]);
+    }
+    close(sv[1]);
+    thread_ = std::thread([s = state_, fd = sv[0]] { Collect(*s, fd); });
+  }
+  ~Reader() { Stop(); }
+  void Stop() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);  // a read stuck on a dead mount is killable
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    thread_.join();
+  }
+  int64_t reads() const { return state_->reads; }
+  int64_t errors() const { return state_->errors; }
+  // Waits until `n` more successful reads of `want` in a row have happened.
+  bool WaitForReadsOf(const std::string& want, int n = 5) {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    const int64_t start = state_->last == want ? state_->matching : 0;
+    return state_->cv.wait_for(lock, kTestDeadline,
+                               [&] { return state_->last == want && state_->matching >= start + n; });
+  }
+
+ private:
+  struct State {
+    std::string path;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::atomic<int64_t> reads{0}, errors{0};
+    int64_t matching = 0;
+    std::string last;
+  };
+  // Child: one message per read: "+content" or "-errno".
+  [[noreturn]] static void ReadForever(const char* path, int out) {
+    char msg[512];
+    while (true) {
+      size_t len = 1;
+      msg[0] = '+';
+      int fd = open(path, O_RDONLY | O_CLOEXEC);
+      ssize_t n = fd < 0 ? -1 : 0;
+      while (fd >= 0 && (n = read(fd, msg + len, sizeof(msg) - len)) > 0) len += static_cast<size_t>(n);
+      const int err = errno;
+      if (fd >= 0) close(fd);
+      if (n < 0) len = static_cast<size_t>(snprintf(msg, sizeof(msg), "-%d", err));
+      if (send(out, msg, len, MSG_NOSIGNAL) < 0) _exit(0);
+    }
+  }
+  static void Collect(State& s, int fd) {
+    char msg[512];
+    ssize_t n;
+    while ((n = recv(fd, msg, sizeof(msg), 0)) > 0) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (msg[0] == '+') {
+        std::string got(msg + 1, static_cast<size_t>(n) - 1);
+        ++s.reads;
+        s.matching = got == s.last ? s.matching + 1 : 1;
+        s.last = std::move(got);
+      } else {
+        ++s.errors;
+        s.matching = 0;
+        s.last.clear();
+      }
+      s.cv.notify_all();
+    }
+    close(fd);
+  }
+
+  std::shared_ptr<State> state_;
+  pid_t pid_ = -1;
+  std::thread thread_;
+};
+
+class RecoveryE2ETest : public FuseE2ETest {
+ protected:
+  // Stages volume `id` and publishes it to two pods; returns the two targets.
+  std::pair<std::string, std::string> StageAndPublishTwo(const std::string& id) {
+    staging_ = kubelet_ + "/plugins/kubernetes.io/csi/fusekeeper.csi/" + id + "/globalmount";
+    fs::create_directories(staging_);
+    NodeStageVolumeRequest stage;
+    stage.set_volume_id(id);
+    stage.set_staging_target_path(staging_);
+    *stage.mutable_volume_capability() = MountCapability();
+    for (const auto& [k, v] : FuseContext()) (*stage.mutable_volume_context())[k] = v;
+    NodeStageVolumeResponse sresp;
+    auto c = Ctx();
+    grpc::Status s = node_->NodeStageVolume(c.get(), stage, &sresp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    socket_ = state_ + "/sockets/" + Sha256Hex(id).substr(0, 32) + ".sock";
+    std::pair<std::string, std::string> targets{Pod("pod-a", id), Pod("pod-b", id)};
+    for (const std::string& t : {targets.first, targets.second}) {
+      NodePublishVolumeRequest r;
+      r.set_volume_id(id);
+      r.set_staging_target_path(staging_);
+      r.set_target_path(t);
+      *r.mutable_volume_capability() = MountCapability();
+      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.name"] = t == targets.first ? "a" : "b";
+      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.namespace"] = "default";
+      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = t == targets.first ? "pod-a" : "pod-b";
+      NodePublishVolumeResponse resp;
+      auto pc = Ctx();
+      grpc::Status ps = node_->NodePublishVolume(pc.get(), r, &resp);
+      EXPECT_TRUE(ps.ok()) << ps.error_message();
+    }
+    return targets;
+  }
+  int AgentLogCount(const std::string& what) { return agent_->CountInStderr(what); }
+  bool WaitForAgentLog(const std::string& what, int count = 1) {
+    return agent_->WaitForStderr(what, count, std::chrono::duration_cast<std::chrono::milliseconds>(kTestDeadline));
+  }
+  Subprocess* StartLaunchedHello(const std::string& content) {
+    const std::string hello = root_.path() + "/hello_fuse";
+    if (!fs::exists(hello)) {
+      fs::copy_file(RunfilePath("tests/testing/hello_fuse"), hello);
+      chmod(hello.c_str(), 0755);
+    }
+    return StartServer(socket_, {"launch", "--", hello, "/dev/fd/{fd}", content});
+  }
+
+  std::string staging_, socket_;
+};
+
+TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNeverFail) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("adopt-1");
+  Subprocess* first = StartServer(socket_);
+  Reader r1(t1 + "/hello.txt"), r2(t2 + "/hello.txt");
+  const std::string want = "hello from the export\n";
+  ASSERT_TRUE(r1.WaitForReadsOf(want)) << first->Stderr() << agent_->Stderr();
+  ASSERT_TRUE(r2.WaitForReadsOf(want));
+  for (int round = 0; round < 3; ++round) {
+    Subprocess* dying = servers_.back().get();
+    dying->Signal(SIGKILL);
+    ASSERT_TRUE(dying->Wait(std::chrono::milliseconds(20000)).has_value());
+    Subprocess* next = StartServer(socket_);
+    ASSERT_TRUE(r1.WaitForReadsOf(want)) << "round " << round << " server status "
+                                         << next->Wait(std::chrono::milliseconds(2000)).value_or(-1) << "\n"
+                                         << next->Stderr() << agent_->Stderr();
+    ASSERT_TRUE(r2.WaitForReadsOf(want)) << "round " << round;
+  }
+  r1.Stop();
+  r2.Stop();
+  EXPECT_EQ(r1.errors() + r2.errors(), 0) << "with the kept connection, reads wait instead of failing";
+  EXPECT_GT(r1.reads(), 0);
+  EXPECT_EQ(MountCountAt(t1), 1);
+  EXPECT_EQ(MountCountAt(t2), 1);
+  EXPECT_EQ(MountCountAt(staging_), 1) << "no remount was needed";
+  ASSERT_TRUE(WaitForAgentLog("MountRecovered", 3)) << agent_->Stderr();  // one per round
+  EXPECT_GE(AgentLogCount("FuseServerRestarted"), 3);
+  EXPECT_EQ(AgentLogCount("MountRecoveryFailed"), 0);
+}
+
+TEST_F(RecoveryE2ETest, ServerThatCannotAdoptGetsAFreshConnectionAndBothTargetsAreReBound) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("fresh-1");
+  Subprocess* first = StartServer(socket_);
+  Reader r1(t1 + "/hello.txt"), r2(t2 + "/hello");
+  ASSERT_TRUE(r1.WaitForReadsOf("hello from the export\n")) << first->Stderr();
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  // A launched libfuse program cannot adopt a live connection: fkserve asks for a fresh one.
+  Subprocess* second = StartLaunchedHello("relaunched\n");
+  ASSERT_TRUE(r2.WaitForReadsOf("relaunched\n"))
+      << "reads " << r2.reads() << " errors " << r2.errors() << " now: '" << ReadFile(t2 + "/hello") << "' errno "
+      << errno << " second server: " << second->Wait(std::chrono::milliseconds(1)).value_or(-1) << " " << second->Stderr()
+      << agent_->Stderr();
+  r1.Stop();
+  EXPECT_EQ(ReadFile(t1 + "/hello"), "relaunched\n") << "both pod targets were re-bound";
+  EXPECT_EQ(MountCountAt(t1), 1) << "the stale bind was replaced, not stacked";
+  EXPECT_EQ(MountCountAt(t2), 1);
+  EXPECT_EQ(MountCountAt(staging_), 1) << "the old connection's mount is gone";
+  ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
+  EXPECT_NE(second->Stderr().find("asking for a fresh one"), std::string::npos);
+  // Unpublish and unstage still work on the repaired volume.
+  r2.Stop();
+  ASSERT_RPC_OK(Unpublish("fresh-1", t1));
+  ASSERT_RPC_OK(Unpublish("fresh-1", t2));
+  NodeUnstageVolumeRequest unstage;
+  unstage.set_volume_id("fresh-1");
+  unstage.set_staging_target_path(staging_);
+  NodeUnstageVolumeResponse resp;
+  auto c = Ctx();
+  ASSERT_RPC_OK(node_->NodeUnstageVolume(c.get(), unstage, &resp));
+  EXPECT_EQ(MountCountAt(staging_), 0);
+}
+
+TEST_F(RecoveryE2ETest, AbortedConnectionIsRemountedAndTheNextServerServesIt) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("abort-1");
+  Subprocess* first = StartServer(socket_);
+  Reader r1(t1 + "/hello.txt");
+  ASSERT_TRUE(r1.WaitForReadsOf("hello from the export\n")) << first->Stderr();
+  struct stat st;
+  ASSERT_EQ(stat(staging_.c_str(), &st), 0);
+  ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
+  // The first server sees its connection end and exits; the agent mounts a fresh connection.
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  Subprocess* second = StartServer(socket_);
+  ASSERT_TRUE(r1.WaitForReadsOf("hello from the export\n")) << second->Stderr() << agent_->Stderr();
+  EXPECT_EQ(ReadFile(t2 + "/hello.txt"), "hello from the export\n");
+  EXPECT_EQ(MountCountAt(staging_), 1);
+  EXPECT_EQ(MountCountAt(t1), 1);
+  ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
+}
+
+TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("fluid-1");
+  Subprocess* first = StartServer(socket_);
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
+  // A privileged FUSE pod (as Fluid's runtimes do) mounts its own connection on the global path.
+  auto dev = OpenFuseDeviceBlocking();
+  ASSERT_TRUE(dev.ok());
+  UniqueFd dir(open(staging_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  FuseMountOptions mo;
+  mo.subtype = "otherfs";
+  ASSERT_TRUE(MountFuseBlocking(dev->get(), dir.get(), staging_, mo).ok());
+  const int their_fd = dup(dev->get());
+  auto server = std::make_unique<HelloFuseServer>(dev->Release(), "served by the other pod\n");
+  Reader r1(t1 + "/hello"), r2(t2 + "/hello");
+  ASSERT_TRUE(r1.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
+  ASSERT_TRUE(r2.WaitForReadsOf("served by the other pod\n"));
+  EXPECT_EQ(MountCountAt(t1), 1) << "re-bound, not stacked";
+  EXPECT_EQ(MountCountAt(t2), 1);
+  ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
+  EXPECT_NE(agent_->Stderr().find("was replaced (fuse.otherfs)"), std::string::npos);
+  r1.Stop();
+  r2.Stop();
+  // End the other pod's connection so its server thread finishes.
+  struct stat sst;
+  ASSERT_EQ(stat(staging_.c_str(), &sst), 0);
+  AbortFuseConnectionBlocking(minor(sst.st_dev));
+  close(their_fd);
+  server.reset();
+}
+
+}  // namespace
+}  // namespace fusekeeper
