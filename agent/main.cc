@@ -27,6 +27,8 @@
 #include "agent/loop/signals.h"
 #include "agent/mount/table_reader.h"
 #include "agent/mount/table_watcher.h"
+#include "agent/metrics/http_server.h"
+#include "agent/metrics/metrics.h"
 #include "agent/paths/host_path.h"
 #include "agent/sys/syscalls.h"
 #include "agent/paths/kubelet_dir.h"
@@ -73,8 +75,33 @@ DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before 
 DEFINE_int32(audit_period_ms, 60000,
              "how often every volume's mounts are compared with the mount table, as a safety net "
              "beside mount-table change events and FUSE server connection events");
+DEFINE_string(metrics_address, "",
+              "host:port (or :port) serving Prometheus /metrics and /healthz; empty: off");
 DEFINE_int32(shutdown_grace_ms, 10000,
              "on SIGTERM, how long in-flight RPCs and blocking work may take to finish");
+
+namespace {
+
+void DefineMetrics(fusekeeper::Metrics& m) {
+  using T = fusekeeper::Metrics::Type;
+  m.Define("fusekeeper_rpc_duration_seconds", T::kHistogram, "CSI RPC latency by method and result code",
+           fusekeeper::Metrics::LatencyBuckets());
+  m.Define("fusekeeper_volumes", T::kGauge, "volumes by kind and state");
+  m.Define("fusekeeper_handoffs_waiting", T::kGauge, "FUSE volumes whose server has not connected yet");
+  m.Define("fusekeeper_repairs_in_progress", T::kGauge, "volumes being repaired right now");
+  m.Define("fusekeeper_recoveries_total", T::kCounter, "finished recoveries by how and outcome");
+  m.Define("fusekeeper_recovery_duration_seconds", T::kHistogram,
+           "from detecting a broken mount to a check through the repaired mount succeeding",
+           fusekeeper::Metrics::LatencyBuckets());
+  m.Define("fusekeeper_events_total", T::kCounter, "Kubernetes Events recorded, by reason");
+  m.Define("fusekeeper_events_dropped_total", T::kCounter, "Events not posted (spam filter, queue full, errors)");
+  m.Define("fusekeeper_kubelet_poll_errors_total", T::kCounter, "failed kubelet /pods polls");
+  m.Define("fusekeeper_mount_table_changes_total", T::kCounter, "mount-table change notifications");
+  m.Define("fusekeeper_loop_lag_seconds", T::kHistogram, "how late the event loop runs a timer",
+           fusekeeper::Metrics::LatencyBuckets());
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   gflags::SetVersionString(fusekeeper::kVersion);
@@ -169,6 +196,66 @@ int main(int argc, char** argv) {
       {"mount_lookup", statmount ? "statmount" : "mountinfo"}};
   server_options.identity.ready = [&volumes] { return volumes.ready(); };
   server_options.node.node_id = node_id;
+  fusekeeper::Metrics metrics;
+  DefineMetrics(metrics);
+  server_options.rpc_observer = [&metrics](const char* method, absl::StatusCode code, absl::Duration latency) {
+    metrics.Observe("fusekeeper_rpc_duration_seconds",
+                    absl::StrCat(fusekeeper::Metrics::Label("method", method), ",",
+                                 fusekeeper::Metrics::Label("code", absl::StatusCodeToString(code))),
+                    absl::ToDoubleSeconds(latency));
+  };
+  metrics.AddCollector([&volumes](fusekeeper::Metrics& m) {
+    const auto counts = volumes.counts();
+    m.ClearGauge("fusekeeper_volumes");
+    for (const auto& [kind_state, n] : counts.volumes_by_kind_state) {
+      const size_t slash = kind_state.find('/');
+      m.Set("fusekeeper_volumes",
+            absl::StrCat(fusekeeper::Metrics::Label("kind", kind_state.substr(0, slash)), ",",
+                         fusekeeper::Metrics::Label("state", kind_state.substr(slash + 1))),
+            n);
+    }
+    m.Set("fusekeeper_handoffs_waiting", "", counts.handoffs_waiting);
+    m.Set("fusekeeper_repairs_in_progress", "", counts.repairs_in_progress);
+  });
+  fusekeeper::RecoveryHooks hooks;
+  hooks.on_recovery = [&metrics](const std::string& how, const std::string& outcome, absl::Duration latency) {
+    const std::string labels = absl::StrCat(fusekeeper::Metrics::Label("how", how), ",",
+                                            fusekeeper::Metrics::Label("outcome", outcome));
+    metrics.Add("fusekeeper_recoveries_total", labels);
+    metrics.Observe("fusekeeper_recovery_duration_seconds", labels, absl::ToDoubleSeconds(latency));
+  };
+  hooks.on_event = [&metrics, &events](const fusekeeper::PodRef& pod, const std::string& type,
+                                       const std::string& reason, const std::string& message) {
+    metrics.Add("fusekeeper_events_total", fusekeeper::Metrics::Label("reason", reason));
+    if (events) events->Record(pod, type, reason, message);
+  };
+  volumes.set_recovery_hooks(std::move(hooks));
+  std::unique_ptr<fusekeeper::HttpServer> http;
+  if (!FLAGS_metrics_address.empty()) {
+    auto h = fusekeeper::HttpServer::Start(
+        *loop, FLAGS_metrics_address,
+        {{"/metrics",
+          [&metrics] {
+            return fusekeeper::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", metrics.Render()};
+          }},
+         {"/healthz", [&volumes] {
+            return volumes.ready() ? fusekeeper::HttpResponse{200, "text/plain", "ok\n"}
+                                   : fusekeeper::HttpResponse{503, "text/plain", "reconciling volume state\n"};
+          }}});
+    if (!h.ok()) {
+      LOG(ERROR) << "--metrics_address: " << h.status().message();
+      return 2;
+    }
+    http = std::move(*h);
+    LOG(INFO) << "metrics and health on " << FLAGS_metrics_address << " (port " << http->port() << ")";
+  }
+  // Loop lag: how late a timer due every 500 ms fires.
+  std::function<void(absl::Time)> lag_probe = [&](absl::Time due) {
+    metrics.Observe("fusekeeper_loop_lag_seconds", "", std::max(0.0, absl::ToDoubleSeconds(absl::Now() - due)));
+    const absl::Time next = absl::Now() + absl::Milliseconds(500);
+    loop->AddTimer(std::chrono::milliseconds(500), [&, next] { lag_probe(next); });
+  };
+  loop->Post([&] { lag_probe(absl::Now()); });
   auto server_or = fusekeeper::CsiServer::Start(*loop, std::move(server_options), &volumes);
   if (!server_or.ok()) {
     LOG(ERROR) << server_or.status().message();
@@ -211,7 +298,8 @@ int main(int argc, char** argv) {
         return;
       }
       volumes.Audit("start-up");
-      auto w = fusekeeper::MountTableWatcher::Start(*loop, [&volumes](fusekeeper::MountTableWatcher::Done done) {
+      auto w = fusekeeper::MountTableWatcher::Start(*loop, [&](fusekeeper::MountTableWatcher::Done done) {
+        metrics.Add("fusekeeper_mount_table_changes_total", "");
         volumes.Audit("mount table changed", std::move(done));
       });
       if (w.ok()) {
@@ -230,6 +318,7 @@ int main(int argc, char** argv) {
   if (shutdown_thread.joinable()) shutdown_thread.join();
   server.reset();
   watcher.reset();
+  http.reset();
   LOG(INFO) << "fusekeeper stopped";
   return 0;
 }

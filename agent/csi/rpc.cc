@@ -36,6 +36,7 @@ bool RpcCall::Finish(const absl::Status& status, const google::protobuf::Message
     } else {
       LOG(INFO) << method_ << " " << request_text_ << " -> OK (" << micros << "us)";
     }
+    if (dispatcher_->observer_) dispatcher_->observer_(method_, status.code(), absl::Now() - start_);
     std::exchange(reactor_, nullptr)->Finish(ToGrpcStatus(status));
     response_ = nullptr;
   }

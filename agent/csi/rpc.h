@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -75,7 +76,9 @@ class Responder {
 
 class RpcDispatcher {
  public:
-  explicit RpcDispatcher(Loop& loop) : loop_(loop) {}
+  // Called (any thread) once per finished RPC: method, result code, latency. For metrics.
+  using Observer = std::function<void(const char* method, absl::StatusCode code, absl::Duration latency)>;
+  explicit RpcDispatcher(Loop& loop, Observer observer = nullptr) : loop_(loop), observer_(std::move(observer)) {}
 
   // Any thread. From now on new RPCs are refused with UNAVAILABLE; in-flight ones finish.
   void BeginDraining() { draining_.store(true, std::memory_order_release); }
@@ -122,6 +125,7 @@ class RpcDispatcher {
 
  private:
   friend class RpcCall;
+  const Observer observer_;
   void Register(const std::shared_ptr<RpcCall>& call);
   void Unregister(RpcCall* call);
 

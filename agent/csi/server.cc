@@ -20,7 +20,7 @@ CsiServer::CsiServer(Loop& loop, CsiServerOptions options, std::string socket_pa
                      VolumeManager* volumes)
     : loop_(loop),
       socket_path_(std::move(socket_path)),
-      dispatcher_(loop),
+      dispatcher_(loop, options.rpc_observer),
       identity_(loop, dispatcher_, std::move(options.identity)),
       node_(loop, dispatcher_, std::move(options.node), volumes) {}
 

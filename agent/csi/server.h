@@ -20,6 +20,7 @@ struct CsiServerOptions {
   std::string endpoint;  // unix:///path/csi.sock
   IdentityOptions identity;
   NodeOptions node;
+  RpcDispatcher::Observer rpc_observer;  // per finished RPC (metrics); may be empty
 };
 
 class CsiServer {
