@@ -27,6 +27,8 @@
 #include "agent/loop/signals.h"
 #include "agent/mount/table_reader.h"
 #include "agent/mount/table_watcher.h"
+#include "agent/kubelet/event_recorder.h"
+#include "agent/kubelet/http_client.h"
 #include "agent/metrics/http_server.h"
 #include "agent/metrics/metrics.h"
 #include "agent/paths/host_path.h"
@@ -77,6 +79,8 @@ DEFINE_int32(audit_period_ms, 60000,
              "beside mount-table change events and FUSE server connection events");
 DEFINE_string(metrics_address, "",
               "host:port (or :port) serving Prometheus /metrics and /healthz; empty: off");
+DEFINE_string(kube_secrets_dir, "/var/run/secrets/kubernetes.io/serviceaccount",
+              "service account token and ca.crt for the API server (Events) and the kubelet");
 DEFINE_int32(shutdown_grace_ms, 10000,
              "on SIGTERM, how long in-flight RPCs and blocking work may take to finish");
 
@@ -217,6 +221,29 @@ int main(int argc, char** argv) {
     m.Set("fusekeeper_handoffs_waiting", "", counts.handoffs_waiting);
     m.Set("fusekeeper_repairs_in_progress", "", counts.repairs_in_progress);
   });
+  // Events go to the API server when running in a cluster; elsewhere they are only logged.
+  std::unique_ptr<fusekeeper::HttpClient> http_client;
+  std::unique_ptr<fusekeeper::EventRecorder> events;
+  if (auto http_or = fusekeeper::HttpClient::Create(*loop); http_or.ok()) {
+    http_client = std::move(*http_or);
+  } else {
+    LOG(WARNING) << http_or.status();
+  }
+  if (auto api = fusekeeper::InClusterConfig(FLAGS_kube_secrets_dir); api.ok() && http_client) {
+    fusekeeper::EventRecorderOptions eo;
+    eo.host = node_id;
+    events = std::make_unique<fusekeeper::EventRecorder>(*loop, *http_client, pool, *api, eo);
+    LOG(INFO) << "Kubernetes Events go to " << api->base_url;
+  } else {
+    LOG(INFO) << "Kubernetes Events are only logged: " << (api.ok() ? "no HTTP client" : api.status().message());
+  }
+  metrics.AddCollector([&events](fusekeeper::Metrics& m) {
+    if (!events) return;
+    const auto& st = events->stats();
+    m.Set("fusekeeper_events_dropped_total", fusekeeper::Metrics::Label("why", "spam_filter"), st.spam_dropped);
+    m.Set("fusekeeper_events_dropped_total", fusekeeper::Metrics::Label("why", "queue_full"), st.queue_dropped);
+    m.Set("fusekeeper_events_dropped_total", fusekeeper::Metrics::Label("why", "api_error"), st.failed);
+  });
   fusekeeper::RecoveryHooks hooks;
   hooks.on_recovery = [&metrics](const std::string& how, const std::string& outcome, absl::Duration latency) {
     const std::string labels = absl::StrCat(fusekeeper::Metrics::Label("how", how), ",",
@@ -227,7 +254,7 @@ int main(int argc, char** argv) {
   hooks.on_event = [&metrics, &events](const fusekeeper::PodRef& pod, const std::string& type,
                                        const std::string& reason, const std::string& message) {
     metrics.Add("fusekeeper_events_total", fusekeeper::Metrics::Label("reason", reason));
-    if (events) events->Record(pod, type, reason, message);
+    if (events) events->Record({pod.namespace_, pod.name, pod.uid}, type, reason, message);
   };
   volumes.set_recovery_hooks(std::move(hooks));
   std::unique_ptr<fusekeeper::HttpServer> http;
@@ -319,6 +346,8 @@ int main(int argc, char** argv) {
   server.reset();
   watcher.reset();
   http.reset();
+  events.reset();
+  http_client.reset();
   LOG(INFO) << "fusekeeper stopped";
   return 0;
 }

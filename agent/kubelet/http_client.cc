@@ -3,6 +3,8 @@
 #include <curl/curl.h>
 #include <poll.h>
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
@@ -28,6 +30,7 @@ struct HttpClient::Watch {
   int what = 0;  // CURL_POLL_IN / OUT / INOUT
   bool armed = false;
   bool retired = false;
+  bool rearm = false;  // cancelled for a mask change
   Completion poll;
 };
 
@@ -48,6 +51,11 @@ absl::StatusOr<std::unique_ptr<HttpClient>> HttpClient::Create(Loop& loop) {
 HttpClient::HttpClient(Loop& loop) : loop_(loop) {}
 
 HttpClient::~HttpClient() {
+  // The loop has stopped: curl must not call back into it while transfers are torn down.
+  if (multi_ != nullptr) {
+    curl_multi_setopt(multi_, CURLMOPT_SOCKETFUNCTION, nullptr);
+    curl_multi_setopt(multi_, CURLMOPT_TIMERFUNCTION, nullptr);
+  }
   for (auto& [easy, t] : transfers_) curl_multi_remove_handle(multi_, t->easy);
   transfers_.clear();
   if (multi_ != nullptr) curl_multi_cleanup(multi_);
@@ -104,10 +112,15 @@ int HttpClient::OnSocket(void* /*easy*/, int fd, int what, void* self_ptr, void*
   if (what == CURL_POLL_REMOVE) {
     if (it != self->watches_.end()) {
       Watch* w = it->second.get();
+      w->retired = true;
       if (w->armed) {
-        w->retired = true;
+        // Freed by its own (cancelled) completion.
         self->loop_.Cancel(&w->poll);
         self->retired_.push_back(std::move(it->second));
+      } else {
+        // Possibly inside this watch's callback right now: freed after it returns.
+        std::shared_ptr<Watch> doomed(std::move(it->second));
+        self->loop_.Post([doomed] {});
       }
       self->watches_.erase(it);
     }
@@ -132,8 +145,8 @@ int HttpClient::OnSocket(void* /*easy*/, int fd, int what, void* self_ptr, void*
         return;
       }
       if (res == -ECANCELED) {
-        // Cancelled for a mask change: arm again with the new mask.
-        self->Arm(raw);
+        // Cancelled for a mask change: arm again with the new mask (not when the loop stops).
+        if (std::exchange(raw->rearm, false) && self->loop_.running()) self->Arm(raw);
         return;
       }
       int events = 0;
@@ -158,6 +171,7 @@ int HttpClient::OnSocket(void* /*easy*/, int fd, int what, void* self_ptr, void*
   if (!w->armed) {
     self->Arm(w);
   } else if (changed) {
+    w->rearm = true;
     self->loop_.Cancel(&w->poll);  // re-armed with the new mask by its callback
   }
   return 0;

@@ -1,0 +1,60 @@
+// FakeKube: the API server / kubelet test double (fake_kube.py) over real HTTPS on loopback,
+// with a self-signed certificate made at test time (openssl). Requests it received are read
+// back from its log; waits are on its stderr (inotify), never sleeps.
+#pragma once
+
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+
+class FakeKube {
+ public:
+  // `dir` holds the certificate, the log, the mode and pods files.
+  explicit FakeKube(const std::string& dir) : dir_(dir) {
+    Subprocess gen({"/usr/bin/openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", dir + "/key.pem", "-out", dir + "/cert.pem", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"});
+    ok_ = gen.Wait(std::chrono::seconds(30)).value_or(-1) == 0;
+    SetMode("ok");
+    std::ofstream(dir + "/pods.json") << R"({"kind":"PodList","items":[]})";
+    server_ = std::make_unique<Subprocess>(std::vector<std::string>{
+        "/usr/bin/python3", RunfilePath("tests/testing/fake_kube.py"), "--cert=" + dir + "/cert.pem",
+        "--key=" + dir + "/key.pem", "--log=" + dir + "/requests.jsonl", "--port-file=" + dir + "/port",
+        "--pods-file=" + dir + "/pods.json", "--mode-file=" + dir + "/mode"});
+    ok_ = ok_ && server_->WaitForStderr("listening", 1, std::chrono::seconds(20));
+    std::ifstream(dir + "/port") >> port_;
+  }
+  bool ok() const { return ok_; }
+  std::string Diagnostics() const { return server_ ? server_->Stderr() : ""; }
+  int port() const { return port_; }
+  std::string url() const { return "https://127.0.0.1:" + std::to_string(port_); }
+  std::string ca_file() const { return dir_ + "/cert.pem"; }
+  void SetMode(const std::string& mode) { std::ofstream(dir_ + "/mode") << mode; }
+  void SetPods(const std::string& json) {
+    { std::ofstream(dir_ + "/pods.json.tmp") << json; }
+    std::rename((dir_ + "/pods.json.tmp").c_str(), (dir_ + "/pods.json").c_str());
+  }
+  // Waits until `n` requests have arrived in total.
+  bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }
+  int requests() const { return server_->CountInStderr("req "); }
+  // Each request as the JSON line the double logged.
+  std::vector<std::string> Log() const {
+    std::vector<std::string> lines;
+    std::ifstream in(dir_ + "/requests.jsonl");
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    return lines;
+  }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<Subprocess> server_;
+  int port_ = 0;
+  bool ok_ = false;
+};
+
+}  // namespace fusekeeper
