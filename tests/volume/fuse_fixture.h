@@ -96,7 +96,7 @@ class FuseE2ETest : public ::testing::Test {
                                     "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + state_,
                                     "--stats_timeout_ms=1000"};
     cmd.insert(cmd.end(), extra.begin(), extra.end());
-    agent_ = std::make_unique<Subprocess>(cmd);
+    agent_ = std::make_unique<Subprocess>(cmd, agent_env_);
     channel_ = DialUnixSocket(root_.path() + "/csi.sock");
     ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline)) << agent_->Stderr();
     node_ = Node::NewStub(channel_);
@@ -178,6 +178,7 @@ class FuseE2ETest : public ::testing::Test {
   TmpfsDir root_;
   std::string kubelet_, state_, export_, fkserve_;
   std::unique_ptr<Subprocess> agent_;
+  std::vector<std::string> agent_env_;  // extra environment for the agent
   std::vector<std::unique_ptr<Subprocess>> servers_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Node::Stub> node_;

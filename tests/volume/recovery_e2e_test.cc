@@ -1,6 +1,8 @@
 // Recovery end to end: real agent, real reference server (unprivileged), real kernel FUSE
 // connections in a private mount namespace. Servers are killed with SIGKILL under continuous
 // reads from two pod targets and restarted; the pods never act.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -13,6 +15,7 @@
 
 #include "agent/fuse/fuse_mount.h"
 #include "tests/testing/hello_fuse_server.h"
+#include "tests/testing/fake_kube.h"
 #include "tests/volume/fuse_fixture.h"
 
 namespace fusekeeper {
@@ -105,6 +108,23 @@ class Reader {
   std::thread thread_;
 };
 
+// GET http://127.0.0.1:<port><path> with a plain socket; the whole response.
+std::string HttpGet(int port, const std::string& path) {
+  UniqueFd s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return "connect failed";
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  if (write(s.get(), req.data(), req.size()) < 0) return "write failed";
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(s.get(), buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
 class RecoveryE2ETest : public FuseE2ETest {
  protected:
   // Stages volume `id` and publishes it to two pods; returns the two targets.
@@ -155,7 +175,17 @@ class RecoveryE2ETest : public FuseE2ETest {
 };
 
 TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNeverFail) {
-  StartAgent();
+  // The API server double receives the Events, over HTTPS verified with its CA.
+  const std::string kube_dir = root_.path() + "/kube";
+  fs::create_directories(kube_dir);
+  FakeKube kube(kube_dir);
+  ASSERT_TRUE(kube.ok()) << kube.Diagnostics();
+  const std::string secrets = root_.path() + "/secrets";
+  fs::create_directories(secrets);
+  fs::copy_file(kube.ca_file(), secrets + "/ca.crt");
+  { std::ofstream(secrets + "/token") << "agent-token"; }
+  agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube.port())};
+  StartAgent({"--kube_secrets_dir=" + secrets, "--metrics_address=127.0.0.1:0"});
   auto [t1, t2] = StageAndPublishTwo("adopt-1");
   Subprocess* first = StartServer(socket_);
   Reader r1(t1 + "/hello.txt"), r2(t2 + "/hello.txt");
@@ -182,6 +212,37 @@ TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNev
   ASSERT_TRUE(WaitForAgentLog("MountRecovered", 3)) << agent_->Stderr();  // one per round
   EXPECT_GE(AgentLogCount("FuseServerRestarted"), 3);
   EXPECT_EQ(AgentLogCount("MountRecoveryFailed"), 0);
+  // Events on both pods: 3 rounds x 3 reasons x 2 pods, the repeats as count updates.
+  ASSERT_TRUE(kube.WaitForRequests(18)) << kube.Diagnostics() << agent_->Stderr();
+  int posts = 0, patches = 0;
+  std::map<std::string, int> reasons;
+  for (const auto& line : kube.Log()) {
+    posts += absl::StrContains(line, "\"verb\": \"POST\"");
+    patches += absl::StrContains(line, "\"verb\": \"PATCH\"");
+    for (const char* r : {"FuseServerNotConnected", "FuseServerRestarted", "MountRecovered"}) {
+      if (absl::StrContains(line, absl::StrCat("\\\"reason\\\":\\\"", r))) ++reasons[r];
+    }
+    EXPECT_TRUE(absl::StrContains(line, "Bearer agent-token")) << line;
+  }
+  EXPECT_EQ(posts, 6) << "one event per reason and pod";
+  EXPECT_EQ(patches, 12) << "later rounds update counts";
+  EXPECT_EQ(reasons["FuseServerRestarted"], 2);
+  EXPECT_EQ(reasons["MountRecovered"], 2);
+  // Metrics and health.
+  const std::string log = agent_->Stderr();
+  const size_t at = log.find("(port ");
+  ASSERT_NE(at, std::string::npos);
+  const int port = std::stoi(log.substr(at + 6));
+  const std::string metrics = HttpGet(port, "/metrics");
+  EXPECT_TRUE(absl::StrContains(metrics, "HTTP/1.1 200")) << metrics;
+  EXPECT_TRUE(absl::StrContains(
+      metrics, "fusekeeper_recoveries_total{how=\"server restart (connection adopted)\",outcome=\"recovered\"} 3"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "fusekeeper_volumes{kind=\"fuse\",state=\"serving\"} 1")) << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "fusekeeper_rpc_duration_seconds_count{method=\"NodePublishVolume\",code=\"OK\"} 2"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(HttpGet(port, "/healthz"), "200 OK"));
+  EXPECT_TRUE(absl::StrContains(HttpGet(port, "/nope"), "404"));
 }
 
 TEST_F(RecoveryE2ETest, ServerThatCannotAdoptGetsAFreshConnectionAndBothTargetsAreReBound) {
