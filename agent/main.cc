@@ -29,6 +29,7 @@
 #include "agent/mount/table_watcher.h"
 #include "agent/kubelet/event_recorder.h"
 #include "agent/kubelet/http_client.h"
+#include "agent/kubelet/kubelet_poller.h"
 #include "agent/metrics/http_server.h"
 #include "agent/metrics/metrics.h"
 #include "agent/paths/host_path.h"
@@ -81,6 +82,13 @@ DEFINE_string(metrics_address, "",
               "host:port (or :port) serving Prometheus /metrics and /healthz; empty: off");
 DEFINE_string(kube_secrets_dir, "/var/run/secrets/kubernetes.io/serviceaccount",
               "service account token and ca.crt for the API server (Events) and the kubelet");
+DEFINE_string(kubelet_url, EnvOr("NODE_IP", "").empty() ? "" : "https://" + EnvOr("NODE_IP", "") + ":10250/pods",
+              "the kubelet's pod list, polled to notice FUSE server container restarts (default: "
+              "https://$NODE_IP:10250/pods; empty: off)");
+DEFINE_int32(kubelet_poll_period_ms, 10000, "how often the kubelet's pod list is polled");
+DEFINE_string(kubelet_ca_file, "", "CA bundle for the kubelet's serving certificate (empty: system CAs)");
+DEFINE_bool(kubelet_insecure, false,
+            "skip verifying the kubelet's serving certificate (self-signed kubelet certs); explicit opt-in");
 DEFINE_int32(shutdown_grace_ms, 10000,
              "on SIGTERM, how long in-flight RPCs and blocking work may take to finish");
 
@@ -139,7 +147,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_audit_period_ms < 1) {
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_audit_period_ms < 1 ||
+      FLAGS_kubelet_poll_period_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
                   "--shutdown_grace_ms >= 0";
     return 2;
@@ -257,6 +266,23 @@ int main(int argc, char** argv) {
     if (events) events->Record({pod.namespace_, pod.name, pod.uid}, type, reason, message);
   };
   volumes.set_recovery_hooks(std::move(hooks));
+  std::unique_ptr<fusekeeper::KubeletPoller> kubelet_poller;
+  if (!FLAGS_kubelet_url.empty() && http_client) {
+    fusekeeper::KubeletPollerOptions ko;
+    ko.url = FLAGS_kubelet_url;
+    ko.token_file = FLAGS_kube_secrets_dir + "/token";
+    ko.ca_file = FLAGS_kubelet_ca_file;
+    ko.insecure = FLAGS_kubelet_insecure;
+    ko.period = absl::Milliseconds(FLAGS_kubelet_poll_period_ms);
+    kubelet_poller = std::make_unique<fusekeeper::KubeletPoller>(
+        *loop, *http_client, pool, ko,
+        [&volumes](const fusekeeper::ContainerRestart& r) {
+          volumes.ServerContainerRestarted({r.pod_namespace, r.pod_name, r.pod_uid}, r.container);
+        },
+        [&metrics](const std::string&) { metrics.Add("fusekeeper_kubelet_poll_errors_total", ""); });
+    loop->Post([&] { kubelet_poller->Start(); });
+    LOG(INFO) << "polling the kubelet at " << FLAGS_kubelet_url << " every " << FLAGS_kubelet_poll_period_ms << " ms";
+  }
   std::unique_ptr<fusekeeper::HttpServer> http;
   if (!FLAGS_metrics_address.empty()) {
     auto h = fusekeeper::HttpServer::Start(
@@ -347,6 +373,7 @@ int main(int argc, char** argv) {
   watcher.reset();
   http.reset();
   events.reset();
+  kubelet_poller.reset();
   http_client.reset();
   LOG(INFO) << "fusekeeper stopped";
   return 0;

@@ -1,0 +1,79 @@
+#include "agent/kubelet/kubelet_poller.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "glog/logging.h"
+
+namespace fusekeeper {
+
+KubeletPoller::KubeletPoller(Loop& loop, HttpClient& http, BlockingPool& pool, KubeletPollerOptions options,
+                             OnRestart on_restart, OnError on_error)
+    : loop_(loop),
+      http_(http),
+      pool_(pool),
+      options_(std::move(options)),
+      on_restart_(std::move(on_restart)),
+      on_error_(std::move(on_error)) {}
+
+void KubeletPoller::Start() { Poll(); }
+
+void KubeletPoller::Schedule(absl::Duration after) {
+  loop_.AddTimer(absl::ToChronoNanoseconds(after), [this] { Poll(); });
+}
+
+void KubeletPoller::Poll() {
+  if (!options_.token_file.empty() && absl::Now() - token_read_ > absl::Minutes(1)) {
+    // The projected token rotates: read it again (off the loop), then poll.
+    auto token = std::make_shared<std::string>();
+    absl::Status s = pool_.Submit(
+        "read kubelet token",
+        [file = options_.token_file, token] {
+          std::ifstream in(file);
+          std::stringstream ss;
+          ss << in.rdbuf();
+          *token = std::string(absl::StripAsciiWhitespace(ss.str()));
+        },
+        [this, token](absl::Status ran) {
+          if (ran.ok() && !token->empty()) token_ = *token;
+          token_read_ = absl::Now();
+          Poll();
+        });
+    if (s.ok()) return;
+    token_read_ = absl::Now();
+  }
+  HttpRequest r;
+  r.url = options_.url;
+  r.ca_file = options_.ca_file;
+  r.insecure = options_.insecure;
+  r.timeout = options_.timeout;
+  if (!token_.empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_));
+  ++polls_;
+  http_.Send(std::move(r), [this](absl::StatusOr<HttpResult> res) {
+    std::string why;
+    if (!res.ok()) {
+      why = std::string(res.status().message());
+    } else if (res->status != 200) {
+      why = absl::StrCat("HTTP ", res->status,
+                         res->status == 401 || res->status == 403
+                             ? " (the service account needs nodes/proxy or nodes/pods get)"
+                             : "");
+    } else if (auto pods = ParsePodList(res->body); !pods.ok()) {
+      why = std::string(pods.status().message());
+    } else {
+      backoff_ = absl::ZeroDuration();
+      for (const ContainerRestart& c : detector_.Update(*pods)) on_restart_(c);
+      return Schedule(options_.period);
+    }
+    ++errors_;
+    backoff_ = backoff_ == absl::ZeroDuration() ? options_.period : std::min(backoff_ * 2, options_.max_backoff);
+    LOG(WARNING) << "polling the kubelet at " << options_.url << ": " << why << "; next try in " << backoff_
+                 << " (recovery still works from mount-table and FUSE connection events)";
+    if (on_error_) on_error_(why);
+    Schedule(backoff_);
+  });
+}
+
+}  // namespace fusekeeper

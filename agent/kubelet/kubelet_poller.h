@@ -1,0 +1,57 @@
+// KubeletPoller: GET <kubelet>/pods every `period` through the ring (HttpClient), with the
+// service account token (re-read each minute) and the kubelet's CA or an explicit insecure
+// opt-in. Each PodList feeds a RestartDetector; restarts go to `on_restart` on the loop thread.
+// A kubelet that is down, slow, refusing (401/403) or answering garbage costs a log line, a
+// metric and an exponential backoff (up to max_backoff) — never a stall.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "absl/time/time.h"
+#include "agent/kubelet/http_client.h"
+#include "agent/kubelet/pod_list.h"
+#include "agent/loop/blocking_pool.h"
+#include "agent/loop/loop.h"
+
+namespace fusekeeper {
+
+struct KubeletPollerOptions {
+  std::string url;           // https://<node ip>:10250/pods
+  std::string token_file;    // empty: no Authorization header
+  std::string ca_file;       // empty: system CAs
+  bool insecure = false;
+  absl::Duration period = absl::Seconds(10);
+  absl::Duration timeout = absl::Seconds(5);
+  absl::Duration max_backoff = absl::Minutes(2);
+};
+
+class KubeletPoller {
+ public:
+  using OnRestart = std::function<void(const ContainerRestart&)>;
+  using OnError = std::function<void(const std::string& why)>;
+  KubeletPoller(Loop& loop, HttpClient& http, BlockingPool& pool, KubeletPollerOptions options,
+                OnRestart on_restart, OnError on_error = nullptr);
+  // Loop thread.
+  void Start();
+  int64_t polls() const { return polls_; }
+  int64_t errors() const { return errors_; }
+
+ private:
+  void Poll();
+  void Schedule(absl::Duration after);
+
+  Loop& loop_;
+  HttpClient& http_;
+  BlockingPool& pool_;
+  const KubeletPollerOptions options_;
+  OnRestart on_restart_;
+  OnError on_error_;
+  RestartDetector detector_;
+  std::string token_;
+  absl::Time token_read_ = absl::InfinitePast();
+  absl::Duration backoff_ = absl::ZeroDuration();
+  int64_t polls_ = 0, errors_ = 0;
+};
+
+}  // namespace fusekeeper

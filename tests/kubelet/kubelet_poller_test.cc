@@ -1,0 +1,107 @@
+// KubeletPoller against the kubelet double over real HTTPS: restarts reported, and a kubelet
+// that refuses, answers garbage or is slow costs errors and backoff, never the loop.
+#include "agent/kubelet/kubelet_poller.h"
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/testing/fake_kube.h"
+#include "tests/testing/loop_thread.h"
+
+namespace fusekeeper {
+namespace {
+
+std::string OnePod(int restarts) {
+  return absl::StrCat(R"({"kind":"PodList","items":[{"metadata":{"namespace":"ns","name":"app","uid":"u1"},)",
+                      R"("status":{"initContainerStatuses":[{"name":"fuse","restartCount":)", restarts, "}]}}]}");
+}
+
+class KubeletPollerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char t[] = "/tmp/fk-kubelet-XXXXXX";
+    dir_ = mkdtemp(t);
+    kube_ = std::make_unique<FakeKube>(dir_);
+    ASSERT_TRUE(kube_->ok()) << kube_->Diagnostics();
+    kube_->SetPods(OnePod(0));
+    { std::ofstream(dir_ + "/token") << "kubelet-token"; }
+    pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
+    lt_.RunOnLoop([&] { http_ = std::move(*HttpClient::Create(lt_.loop())); });
+    KubeletPollerOptions o;
+    o.url = kube_->url() + "/pods";
+    o.token_file = dir_ + "/token";
+    o.ca_file = kube_->ca_file();
+    o.period = absl::Milliseconds(20);
+    o.max_backoff = absl::Milliseconds(100);
+    o.timeout = absl::Milliseconds(500);
+    lt_.RunOnLoop([&] {
+      poller_ = std::make_unique<KubeletPoller>(
+          lt_.loop(), *http_, *pool_, o,
+          [this](const ContainerRestart& r) {
+            std::lock_guard<std::mutex> lock(mu_);
+            restarts_.push_back(r);
+            cv_.notify_all();
+          },
+          [this](const std::string& why) {
+            std::lock_guard<std::mutex> lock(mu_);
+            errors_.push_back(why);
+            cv_.notify_all();
+          });
+      poller_->Start();
+    });
+  }
+  void TearDown() override {
+    lt_.StopAndJoin();
+    poller_.reset();
+    http_.reset();
+    pool_->Shutdown(absl::Seconds(5));
+    std::filesystem::remove_all(dir_);
+  }
+  bool WaitFor(std::function<bool()> pred) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kTestDeadline, pred);
+  }
+
+  std::string dir_;
+  std::unique_ptr<FakeKube> kube_;
+  LoopThread lt_;
+  std::unique_ptr<BlockingPool> pool_;
+  std::unique_ptr<HttpClient> http_;
+  std::unique_ptr<KubeletPoller> poller_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<ContainerRestart> restarts_;
+  std::vector<std::string> errors_;
+};
+
+TEST_F(KubeletPollerTest, ASidecarRestartIsReported) {
+  ASSERT_TRUE(kube_->WaitForRequests(2));
+  kube_->SetPods(OnePod(1));
+  ASSERT_TRUE(WaitFor([&] { return !restarts_.empty(); }));
+  EXPECT_EQ(restarts_[0].container, "fuse");
+  EXPECT_EQ(restarts_[0].pod_name, "app");
+  EXPECT_TRUE(absl::StrContains(kube_->Log().at(0), "Bearer kubelet-token"));
+}
+
+TEST_F(KubeletPollerTest, RefusalsGarbageAndSlownessAreErrorsWithBackoffThenItRecovers) {
+  ASSERT_TRUE(kube_->WaitForRequests(1));
+  kube_->SetMode("403");
+  ASSERT_TRUE(WaitFor([&] { return !errors_.empty(); }));
+  EXPECT_TRUE(absl::StrContains(errors_.back(), "HTTP 403")) << errors_.back();
+  kube_->SetMode("garbage");
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(errors_.back(), "PodList"); })) << errors_.back();
+  kube_->SetMode("slow");
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(errors_.back(), "imed out") || absl::StrContains(errors_.back(), "imeout"); }))
+      << errors_.back();
+  for (int i = 0; i < 50; ++i) lt_.RunOnLoop([] {});  // the loop never stalled
+  kube_->SetMode("ok");
+  kube_->SetPods(OnePod(3));
+  ASSERT_TRUE(WaitFor([&] { return !restarts_.empty(); })) << "recovered after the kubelet came back";
+}
+
+}  // namespace
+}  // namespace fusekeeper
