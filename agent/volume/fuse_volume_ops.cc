@@ -4,6 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/base/status.h"
@@ -293,19 +297,20 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
   if (!staging_rel.ok()) return staging_rel.status();
   const state::MountIdentity global = v.staging_mount();
   bool changed = false;
-  for (int i = 0; i < v.targets_size(); ++i) {
-    state::Target* t = v.mutable_targets(i);
-    if (t->pending()) continue;
+  // Each target is independent, and most of the time goes to waiting in umount (RCU grace
+  // periods), so several are re-bound at once.
+  auto rebind_one = [&](state::Target* t, RebindOutcome& o, bool* changed) {
+    if (t->pending()) return;
     auto rel = ctx.kubelet->Relative(t->path(), "target_path");
     if (!rel.ok()) {
-      out.failed.push_back(absl::StrCat(t->path(), ": ", rel.status().message()));
-      continue;
+      o.failed.push_back(absl::StrCat(t->path(), ": ", rel.status().message()));
+      return;
     }
     auto parent = ctx.kubelet->OpenParentBlocking(*rel);
     if (!parent.ok()) {
       // The pod's volume directory is gone (the pod is being deleted): not ours to touch.
-      out.skipped.push_back(t->path());
-      continue;
+      o.skipped.push_back(t->path());
+      return;
     }
     const std::string name(BaseName(*rel));
     const std::string table_path = ctx.kubelet->MountTablePath(t->path());
@@ -339,17 +344,17 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
       }
       ++removed;
     }
-    if (healthy) continue;
+    if (healthy) return;
     if (!problem.ok()) {
-      out.failed.push_back(absl::StrCat(t->path(), ": ", problem.message()));
-      continue;
+      o.failed.push_back(absl::StrCat(t->path(), ": ", problem.message()));
+      return;
     }
-    if (removed > 1) out.stacked_removed += removed - 1;
+    if (removed > 1) o.stacked_removed += removed - 1;
     auto source = ctx.kubelet->OpenPathBlocking(*staging_rel);
     auto target = ctx.kubelet->OpenPathBlocking(*rel);
     if (!source.ok() || !target.ok()) {
-      out.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
-      continue;
+      o.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
+      return;
     }
     // If the current global mount is already somewhere in the stack, removing the stale ones
     // above it has healed the target.
@@ -361,19 +366,41 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
       BindOptions bind;
       bind.read_only = t->readonly();
       if (auto s = BindMountFdBlocking(source->get(), target->get(), bind, v.staging_path(), t->path()); !s.ok()) {
-        out.failed.push_back(absl::StrCat(t->path(), ": ", s.message()));
-        continue;
+        o.failed.push_back(absl::StrCat(t->path(), ": ", s.message()));
+        return;
       }
       target->Reset();
       auto id = TopMountBlocking(ctx, t->path());
       if (!id.ok() || !id->has_value()) {
-        out.failed.push_back(absl::StrCat(t->path(), ": the new bind mount vanished"));
-        continue;
+        o.failed.push_back(absl::StrCat(t->path(), ": the new bind mount vanished"));
+        return;
       }
       *t->mutable_mount() = **id;
     }
-    out.rebound.push_back(t->path());
-    changed = true;
+    o.rebound.push_back(t->path());
+    *changed = true;
+  };
+  const int n = v.targets_size();
+  const int workers = std::min(8, std::max(1, n / 8));
+  std::vector<RebindOutcome> partial(static_cast<size_t>(workers));
+  std::vector<char> changed_by(static_cast<size_t>(workers), 0);
+  std::atomic<int> next{0};
+  auto work = [&](int w) {
+    bool c = false;
+    for (int i = next++; i < n; i = next++) rebind_one(v.mutable_targets(i), partial[static_cast<size_t>(w)], &c);
+    changed_by[static_cast<size_t>(w)] = c;
+  };
+  std::vector<std::thread> threads;
+  for (int w = 1; w < workers; ++w) threads.emplace_back(work, w);
+  work(0);
+  for (auto& th : threads) th.join();
+  for (int w = 0; w < workers; ++w) {
+    RebindOutcome& p = partial[static_cast<size_t>(w)];
+    out.rebound.insert(out.rebound.end(), p.rebound.begin(), p.rebound.end());
+    out.skipped.insert(out.skipped.end(), p.skipped.begin(), p.skipped.end());
+    out.failed.insert(out.failed.end(), p.failed.begin(), p.failed.end());
+    out.stacked_removed += p.stacked_removed;
+    changed = changed || changed_by[static_cast<size_t>(w)];
   }
   if (changed) {
     if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
