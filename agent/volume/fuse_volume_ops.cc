@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "agent/base/crash_point.h"
 #include "agent/base/status.h"
 #include "agent/fuse/fuse_mount.h"
 #include "agent/fuse/handoff_endpoint.h"
@@ -379,6 +380,7 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
     }
     o.rebound.push_back(t->path());
     *changed = true;
+    CrashPoint("recovery-rebound-one");
   };
   const int n = v.targets_size();
   const int workers = std::min(8, std::max(1, n / 8));

@@ -1,5 +1,6 @@
 #include "agent/volume/reconcile.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace fusekeeper {
@@ -69,6 +70,19 @@ ReconcileOutcome Reconcile(std::vector<state::Volume> volumes, const MountTable&
           targets->DeleteSubrange(i, 1);
         }
         changed = true;
+      } else if (!IsOurs(top, v, t.mount(), false) && top != nullptr && !v.staging_path().empty() &&
+                 !v.staging_pending() && top->major == v.staging_mount().dev_major() &&
+                 top->minor == v.staging_mount().dev_minor()) {
+        // Re-bound onto the current global mount by a recovery the previous agent did not get
+        // to record: adopt it.
+        *t.mutable_mount() = IdentityOf(*top);
+        out.notes.push_back(absl::StrCat("volume ", id, ": adopted re-bound mount at ", t.path()));
+        changed = true;
+      } else if (!IsOurs(top, v, t.mount(), false) && top != nullptr && v.kind() == "fuse" &&
+                 (top->fs_type == "fuse" || absl::StartsWith(top->fs_type, "fuse."))) {
+        // A bind of an older FUSE connection: broken, not gone. Recovery's audit re-binds it.
+        out.notes.push_back(absl::StrCat("volume ", id, ": ", t.path(), " shows an older FUSE connection; "
+                                         "recovery will re-bind it"));
       } else if (!IsOurs(top, v, t.mount(), false)) {
         out.notes.push_back(absl::StrCat("volume ", id, ": mount at ", t.path(), " is gone; forgotten"));
         targets->DeleteSubrange(i, 1);

@@ -329,5 +329,42 @@ TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
   server.reset();
 }
 
+TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
+  agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("crash-1");
+  Subprocess* first = StartServer(socket_);
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
+  // Someone else mounts a new connection on the global path; the agent starts re-binding and
+  // is killed (SIGKILL) right after the first target.
+  auto dev = OpenFuseDeviceBlocking();
+  ASSERT_TRUE(dev.ok());
+  UniqueFd dir(open(staging_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  FuseMountOptions mo;
+  mo.subtype = "otherfs";
+  ASSERT_TRUE(MountFuseBlocking(dev->get(), dir.get(), staging_, mo).ok());
+  auto server = std::make_unique<HelloFuseServer>(dev->Release(), "served by the other pod\n");
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value()) << agent_->Stderr();
+  // Restarted (as the DaemonSet would), the agent finishes the recovery by itself.
+  agent_env_.clear();
+  StartAgent();
+  Reader r1(t1 + "/hello"), r2(t2 + "/hello");
+  ASSERT_TRUE(r1.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
+  ASSERT_TRUE(r2.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
+  EXPECT_EQ(MountCountAt(t1), 1);
+  EXPECT_EQ(MountCountAt(t2), 1);
+  r1.Stop();
+  r2.Stop();
+  // Both targets are still known: kubelet's unpublish works and leaves nothing behind.
+  ASSERT_RPC_OK(Unpublish("crash-1", t1));
+  ASSERT_RPC_OK(Unpublish("crash-1", t2));
+  EXPECT_EQ(MountCountAt(t1), 0);
+  EXPECT_EQ(MountCountAt(t2), 0);
+  struct stat sst;
+  ASSERT_EQ(stat(staging_.c_str(), &sst), 0);
+  AbortFuseConnectionBlocking(minor(sst.st_dev));
+  server.reset();
+}
+
 }  // namespace
 }  // namespace fusekeeper
