@@ -299,7 +299,9 @@ TEST_F(RecoveryE2ETest, AbortedConnectionIsRemountedAndTheNextServerServesIt) {
 }
 
 TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
-  StartAgent();
+  // The kubelet is down (nothing listens): its polls fail with clear errors, and recovery by
+  // mount-table events works regardless.
+  StartAgent({"--kubelet_url=https://127.0.0.1:1/pods", "--kubelet_poll_period_ms=20"});
   auto [t1, t2] = StageAndPublishTwo("fluid-1");
   Subprocess* first = StartServer(socket_);
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
@@ -319,6 +321,8 @@ TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
   EXPECT_EQ(MountCountAt(t2), 1);
   ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
   EXPECT_NE(agent_->Stderr().find("was replaced (fuse.otherfs)"), std::string::npos);
+  ASSERT_TRUE(WaitForAgentLog("polling the kubelet at https://127.0.0.1:1/pods: ")) << agent_->Stderr();
+  EXPECT_TRUE(WaitForAgentLog("recovery still works from mount-table and FUSE connection events"));
   r1.Stop();
   r2.Stop();
   // End the other pod's connection so its server thread finishes.

@@ -88,7 +88,13 @@ TEST_F(FuseE2ETest, SoakThousandServerKillsAcrossTwentyVolumes) {
   EXPECT_EQ(MountsUnder(kubelet_), mounts_before) << "no mounts leaked or stacked";
   EXPECT_LE(FdCount(agent_->pid()), fds_before + 2) << "no fds leaked";
   const double rss_after = RssMiB(agent_->pid());
-  EXPECT_LT(rss_after, rss_before + 4) << "RSS " << rss_before << " -> " << rss_after << " MiB";
+  if (getenv("ASAN_OPTIONS") != nullptr) {
+    // AddressSanitizer keeps freed memory in quarantine (up to 256 MiB), so RSS says nothing
+    // there; LeakSanitizer checks the agent for leaks when it exits instead.
+    std::cout << "soak: RSS not compared under AddressSanitizer (quarantine)\n";
+  } else {
+    EXPECT_LT(rss_after, rss_before + 4) << "RSS " << rss_before << " -> " << rss_after << " MiB";
+  }
   RecordProperty("kills", kills);
   RecordProperty("rss_before_mib", std::to_string(rss_before));
   RecordProperty("rss_after_mib", std::to_string(rss_after));
