@@ -99,5 +99,36 @@ TEST(ReconcileTest, UnchangedVolumesAreNotRewritten) {
   EXPECT_TRUE(out.remove.empty());
 }
 
+TEST(ReconcileTest, FuseTargetsReBoundOrStaleAfterACrashedRecoveryAreKept) {
+  // A FUSE volume whose global mount was replaced (0:60 → 0:61); the previous agent re-bound t1
+  // before it was killed, and t2 still shows the old connection.
+  state::Volume v = Vol("f");
+  v.set_kind("fuse");
+  v.set_staging_path("/k/s");
+  v.mutable_staging_mount()->set_dev_major(0);
+  v.mutable_staging_mount()->set_dev_minor(61);
+  v.mutable_staging_mount()->set_root("/");
+  for (const char* p : {"/k/t1", "/k/t2", "/k/t3"}) {
+    auto* t = v.add_targets();
+    t->set_path(p);
+    t->mutable_mount()->set_dev_major(0);
+    t->mutable_mount()->set_dev_minor(60);
+    t->mutable_mount()->set_root("/");
+  }
+  auto out = Reconcile({v},
+                       Table("10 1 0:61 / /k/s rw - fuse.other x rw\n"
+                             "11 1 0:61 / /k/t1 rw - fuse.other x rw\n"
+                             "12 1 0:60 / /k/t2 rw - fuse.fusekeeper f rw\n"
+                             "13 1 0:77 / /k/t3 rw - tmpfs x rw\n"),
+                       Same);
+  ASSERT_EQ(out.volumes.size(), 1u);
+  const auto& r = out.volumes[0];
+  ASSERT_EQ(r.targets_size(), 2) << "t3 (something else) is forgotten";
+  EXPECT_EQ(r.targets(0).path(), "/k/t1");
+  EXPECT_EQ(r.targets(0).mount().dev_minor(), 61u) << "the re-bound target is adopted";
+  EXPECT_EQ(r.targets(1).path(), "/k/t2");
+  EXPECT_EQ(r.targets(1).mount().dev_minor(), 60u) << "the stale bind is kept for the audit to re-bind";
+}
+
 }  // namespace
 }  // namespace fusekeeper
