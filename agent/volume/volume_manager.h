@@ -156,6 +156,8 @@ class VolumeManager {
   void EventForVolume(const state::Volume& v, const std::string& type, const std::string& reason,
                       const std::string& message);
   void RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn);
+  // Events for what a re-bind removed (stacked mounts) and could not do (failed targets).
+  void ReportRebind(const RebindOutcome& r);
 
   Loop& loop_;
   BlockingPool& pool_;

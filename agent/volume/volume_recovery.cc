@@ -127,6 +127,17 @@ void VolumeManager::Verify(const std::string& volume_id, const std::string& how,
   }
 }
 
+void VolumeManager::ReportRebind(const RebindOutcome& r) {
+  if (r.stacked_removed > 0) {
+    EventForVolume(r.volume, "Warning", "StackedMountsRemoved",
+                   absl::StrCat(r.stacked_removed, " stacked mount(s) removed from pod targets"));
+  }
+  if (!r.failed.empty()) {
+    EventForVolume(r.volume, "Warning", "MountRecoveryFailed",
+                   absl::StrCat("targets not re-bound: ", absl::StrJoin(r.failed, "; ")));
+  }
+}
+
 void VolumeManager::RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn) {
   absl::Duration& d = backoff_[volume_id];
   d = d == absl::ZeroDuration() ? options_.repair_backoff : std::min(d * 2, options_.max_repair_backoff);
@@ -192,14 +203,7 @@ void VolumeManager::RepairFuse(const std::string& volume_id, const std::string& 
         }
         ep->second.recovering_since = since;
         ep->second.recovering_how = "fresh connection";
-        if (r->rebound.stacked_removed > 0) {
-          EventForVolume(r->rebound.volume, "Warning", "StackedMountsRemoved",
-                         absl::StrCat(r->rebound.stacked_removed, " stacked mount(s) removed from pod targets"));
-        }
-        if (!r->rebound.failed.empty()) {
-          EventForVolume(r->rebound.volume, "Warning", "MountRecoveryFailed",
-                         absl::StrCat("targets not re-bound: ", absl::StrJoin(r->rebound.failed, "; ")));
-        }
+        ReportRebind(r->rebound);
         LOG(INFO) << "volume " << volume_id << ": fresh FUSE connection mounted at " << path << ", "
                   << r->rebound.rebound.size() << " target(s) re-bound; waiting for a server";
         return absl::OkStatus();
@@ -247,13 +251,8 @@ void VolumeManager::Rebind(const std::string& volume_id, const std::string& why,
         repairing_.erase(volume_id);
         backoff_.erase(volume_id);
         volumes_[volume_id] = r->volume;
-        if (r->stacked_removed > 0) {
-          EventForVolume(r->volume, "Warning", "StackedMountsRemoved",
-                         absl::StrCat(r->stacked_removed, " stacked mount(s) removed from pod targets"));
-        }
+        ReportRebind(*r);
         if (!r->failed.empty()) {
-          EventForVolume(r->volume, "Warning", "MountRecoveryFailed",
-                         absl::StrCat("targets not re-bound: ", absl::StrJoin(r->failed, "; ")));
           if (hooks_.on_recovery) hooks_.on_recovery("re-bind", "failed", absl::Now() - since);
         } else if (!r->rebound.empty()) {
           Verify(volume_id, "re-bind", since);

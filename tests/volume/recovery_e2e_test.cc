@@ -171,6 +171,26 @@ class RecoveryE2ETest : public FuseE2ETest {
     return StartServer(socket_, {"launch", "--", hello, "/dev/fd/{fd}", content});
   }
 
+  // A privileged FUSE pod (as Fluid's runtimes do) mounts a connection of its own on the
+  // global path and serves `content` as "hello".
+  std::unique_ptr<HelloFuseServer> MountOtherServerOnStaging(const std::string& content) {
+    auto dev = OpenFuseDeviceBlocking();
+    EXPECT_TRUE(dev.ok());
+    if (!dev.ok()) return nullptr;
+    UniqueFd dir(open(staging_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    FuseMountOptions mo;
+    mo.subtype = "otherfs";
+    EXPECT_TRUE(MountFuseBlocking(dev->get(), dir.get(), staging_, mo).ok());
+    return std::make_unique<HelloFuseServer>(dev->Release(), content);
+  }
+  // Ends that connection so its server thread finishes.
+  void EndOtherServer(std::unique_ptr<HelloFuseServer> server) {
+    struct stat st;
+    ASSERT_EQ(stat(staging_.c_str(), &st), 0);
+    AbortFuseConnectionBlocking(minor(st.st_dev));
+    server.reset();
+  }
+
   std::string staging_, socket_;
 };
 
@@ -306,14 +326,8 @@ TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
   Subprocess* first = StartServer(socket_);
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
   // A privileged FUSE pod (as Fluid's runtimes do) mounts its own connection on the global path.
-  auto dev = OpenFuseDeviceBlocking();
-  ASSERT_TRUE(dev.ok());
-  UniqueFd dir(open(staging_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  FuseMountOptions mo;
-  mo.subtype = "otherfs";
-  ASSERT_TRUE(MountFuseBlocking(dev->get(), dir.get(), staging_, mo).ok());
-  const int their_fd = dup(dev->get());
-  auto server = std::make_unique<HelloFuseServer>(dev->Release(), "served by the other pod\n");
+  auto server = MountOtherServerOnStaging("served by the other pod\n");
+  ASSERT_NE(server, nullptr);
   Reader r1(t1 + "/hello"), r2(t2 + "/hello");
   ASSERT_TRUE(r1.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
   ASSERT_TRUE(r2.WaitForReadsOf("served by the other pod\n"));
@@ -325,12 +339,7 @@ TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
   EXPECT_TRUE(WaitForAgentLog("recovery still works from mount-table and FUSE connection events"));
   r1.Stop();
   r2.Stop();
-  // End the other pod's connection so its server thread finishes.
-  struct stat sst;
-  ASSERT_EQ(stat(staging_.c_str(), &sst), 0);
-  AbortFuseConnectionBlocking(minor(sst.st_dev));
-  close(their_fd);
-  server.reset();
+  EndOtherServer(std::move(server));
 }
 
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
@@ -341,13 +350,8 @@ TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
   // Someone else mounts a new connection on the global path; the agent starts re-binding and
   // is killed (SIGKILL) right after the first target.
-  auto dev = OpenFuseDeviceBlocking();
-  ASSERT_TRUE(dev.ok());
-  UniqueFd dir(open(staging_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  FuseMountOptions mo;
-  mo.subtype = "otherfs";
-  ASSERT_TRUE(MountFuseBlocking(dev->get(), dir.get(), staging_, mo).ok());
-  auto server = std::make_unique<HelloFuseServer>(dev->Release(), "served by the other pod\n");
+  auto server = MountOtherServerOnStaging("served by the other pod\n");
+  ASSERT_NE(server, nullptr);
   ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value()) << agent_->Stderr();
   // Restarted (as the DaemonSet would), the agent finishes the recovery by itself.
   agent_env_.clear();
@@ -364,10 +368,7 @@ TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   ASSERT_RPC_OK(Unpublish("crash-1", t2));
   EXPECT_EQ(MountCountAt(t1), 0);
   EXPECT_EQ(MountCountAt(t2), 0);
-  struct stat sst;
-  ASSERT_EQ(stat(staging_.c_str(), &sst), 0);
-  AbortFuseConnectionBlocking(minor(sst.st_dev));
-  server.reset();
+  EndOtherServer(std::move(server));
 }
 
 }  // namespace
