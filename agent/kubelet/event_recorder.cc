@@ -3,10 +3,8 @@
 #include <stdlib.h>
 
 #include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "agent/fuse/handoff_protocol.h"  // JsonQuote
 #include "glog/logging.h"
 
@@ -15,12 +13,6 @@ namespace {
 
 std::string Rfc3339(absl::Time t) { return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", t, absl::UTCTimeZone()); }
 
-std::string ReadSmallFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
@@ -42,7 +34,11 @@ absl::StatusOr<KubeApiConfig> InClusterConfig(const std::string& secrets_dir) {
 
 EventRecorder::EventRecorder(Loop& loop, HttpClient& http, BlockingPool& pool, KubeApiConfig api,
                              EventRecorderOptions options)
-    : loop_(loop), http_(http), pool_(pool), api_(std::move(api)), options_(std::move(options)) {}
+    : loop_(loop),
+      http_(http),
+      api_(std::move(api)),
+      options_(std::move(options)),
+      token_(pool, api_.token_file, absl::Seconds(10)) {}
 
 void EventRecorder::Touch(const std::string& key, Posted posted) {
   auto it = posted_.find(key);
@@ -123,26 +119,6 @@ void EventRecorder::Record(const EventObject& pod, const std::string& type, cons
   Pump();
 }
 
-void EventRecorder::RefreshToken() {
-  if (token_loading_ || absl::Now() - token_read_ < absl::Minutes(1)) return;
-  token_loading_ = true;
-  auto token = std::make_shared<std::string>();
-  absl::Status s = pool_.Submit(
-      "read service account token", [file = api_.token_file, token] { *token = ReadSmallFile(file); },
-      [this, token](absl::Status ran) {
-        token_loading_ = false;
-        if (ran.ok() && !token->empty()) {
-          token_ = std::string(absl::StripAsciiWhitespace(*token));
-          token_read_ = absl::Now();
-        } else {
-          LOG(WARNING) << "cannot read the service account token " << api_.token_file;
-          token_read_ = absl::Now() - absl::Seconds(50);  // try again in ~10 s
-        }
-        Pump();
-      });
-  if (!s.ok()) token_loading_ = false;
-}
-
 void EventRecorder::WhenIdle(absl::AnyInvocable<void()> done) {
   idle_waiters_.push_back(std::move(done));
   MaybeIdle();
@@ -156,8 +132,11 @@ void EventRecorder::MaybeIdle() {
 }
 
 void EventRecorder::Pump() {
-  RefreshToken();
-  if (token_.empty() && !api_.token_file.empty()) return;  // after the first read
+  token_.Refresh([this] { SendQueued(); });
+}
+
+void EventRecorder::SendQueued() {
+  if (token_.value().empty() && !token_.path().empty()) return;  // no token yet: after the next read
   // Requests about one event go one at a time, in order (a PATCH must not overtake its POST).
   for (auto it = queue_.begin(); in_flight_ < options_.max_in_flight && it != queue_.end();) {
     if (busy_names_.count((*it)->name) > 0) {
@@ -200,7 +179,7 @@ void EventRecorder::SendOne(std::shared_ptr<Work> w) {
     r.headers.push_back("Content-Type: application/json");
     r.body = EventJson(*w);
   }
-  if (!token_.empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_));
+  if (!token_.value().empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_.value()));
   r.ca_file = api_.ca_file;
   r.insecure = api_.insecure;
   r.timeout = options_.request_timeout;

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/kubelet/http_client.h"
+#include "agent/kubelet/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
 
@@ -104,18 +105,15 @@ class EventRecorder {
   void Pump();
   void SendOne(std::shared_ptr<Work> w);
   void Retry(std::shared_ptr<Work> w, const std::string& why);
-  void RefreshToken();
+  void SendQueued();
   std::string EventJson(const Work& w) const;
   void Touch(const std::string& key, Posted posted);
 
   Loop& loop_;
   HttpClient& http_;
-  BlockingPool& pool_;
   const KubeApiConfig api_;
   const EventRecorderOptions options_;
-  std::string token_;
-  absl::Time token_read_ = absl::InfinitePast();
-  bool token_loading_ = false;
+  TokenFile token_;
   std::deque<std::shared_ptr<Work>> queue_;
   int in_flight_ = 0;
   int retries_waiting_ = 0;

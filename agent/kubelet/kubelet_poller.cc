@@ -1,10 +1,6 @@
 #include "agent/kubelet/kubelet_poller.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -13,8 +9,8 @@ KubeletPoller::KubeletPoller(Loop& loop, HttpClient& http, BlockingPool& pool, K
                              OnRestart on_restart, OnError on_error)
     : loop_(loop),
       http_(http),
-      pool_(pool),
       options_(std::move(options)),
+      token_(pool, options_.token_file, absl::Minutes(1)),
       on_restart_(std::move(on_restart)),
       on_error_(std::move(on_error)) {}
 
@@ -25,31 +21,16 @@ void KubeletPoller::Schedule(absl::Duration after) {
 }
 
 void KubeletPoller::Poll() {
-  if (!options_.token_file.empty() && absl::Now() - token_read_ > absl::Minutes(1)) {
-    // The projected token rotates: read it again (off the loop), then poll.
-    auto token = std::make_shared<std::string>();
-    absl::Status s = pool_.Submit(
-        "read kubelet token",
-        [file = options_.token_file, token] {
-          std::ifstream in(file);
-          std::stringstream ss;
-          ss << in.rdbuf();
-          *token = std::string(absl::StripAsciiWhitespace(ss.str()));
-        },
-        [this, token](absl::Status ran) {
-          if (ran.ok() && !token->empty()) token_ = *token;
-          token_read_ = absl::Now();
-          Poll();
-        });
-    if (s.ok()) return;
-    token_read_ = absl::Now();
-  }
+  token_.Refresh([this] { Send(); });
+}
+
+void KubeletPoller::Send() {
   HttpRequest r;
   r.url = options_.url;
   r.ca_file = options_.ca_file;
   r.insecure = options_.insecure;
   r.timeout = options_.timeout;
-  if (!token_.empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_));
+  if (!token_.value().empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_.value()));
   ++polls_;
   http_.Send(std::move(r), [this](absl::StatusOr<HttpResult> res) {
     std::string why;

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "agent/kubelet/http_client.h"
 #include "agent/kubelet/pod_list.h"
+#include "agent/kubelet/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
 
@@ -39,17 +40,16 @@ class KubeletPoller {
 
  private:
   void Poll();
+  void Send();
   void Schedule(absl::Duration after);
 
   Loop& loop_;
   HttpClient& http_;
-  BlockingPool& pool_;
   const KubeletPollerOptions options_;
+  TokenFile token_;
   OnRestart on_restart_;
   OnError on_error_;
   RestartDetector detector_;
-  std::string token_;
-  absl::Time token_read_ = absl::InfinitePast();
   absl::Duration backoff_ = absl::ZeroDuration();
   int64_t polls_ = 0, errors_ = 0;
 };

@@ -38,33 +38,16 @@ TEST_F(FuseE2ETest, InlineVolumePublishedBeforeItsSidecarThenServedUnprivileged)
 
 TEST_F(FuseE2ETest, StagedVolumeSharedByTwoPodsServedByANodeLevelServer) {
   StartAgent();
-  const std::string staging = kubelet_ + "/plugins/kubernetes.io/csi/fusekeeper.csi/s1/globalmount";
-  fs::create_directories(staging);
-  NodeStageVolumeRequest stage;
-  stage.set_volume_id("staged-1");
-  stage.set_staging_target_path(staging);
-  *stage.mutable_volume_capability() = MountCapability();
-  for (const auto& [k, v] : FuseContext()) (*stage.mutable_volume_context())[k] = v;
+  const std::string staging = StagingPath("s1");
   {
-    NodeStageVolumeResponse resp;
-    auto c = Ctx();
-    grpc::Status s = node_->NodeStageVolume(c.get(), stage, &resp);
+    grpc::Status s = StageFuse("staged-1", staging);
     ASSERT_TRUE(s.ok()) << s.error_message() << agent_->Stderr();
   }
-  const std::string socket = state_ + "/sockets/" + Sha256Hex("staged-1").substr(0, 32) + ".sock";
+  const std::string socket = StagedSocket("staged-1");
   ASSERT_TRUE(fs::is_socket(socket));
   Subprocess* server = StartServer(socket);
   const std::string t1 = Pod("pod-a", "v"), t2 = Pod("pod-b", "v");
-  for (const std::string& t : {t1, t2}) {
-    NodePublishVolumeRequest r;
-    r.set_volume_id("staged-1");
-    r.set_staging_target_path(staging);
-    r.set_target_path(t);
-    *r.mutable_volume_capability() = MountCapability();
-    NodePublishVolumeResponse resp;
-    auto c = Ctx();
-    ASSERT_RPC_OK(node_->NodePublishVolume(c.get(), r, &resp));
-  }
+  for (const std::string& t : {t1, t2}) ASSERT_RPC_OK(PublishStaged("staged-1", staging, t));
   auto wrote = WithDeadline([&] {
     std::ofstream(t1 + "/shared.txt") << "written in pod a\n";
     return true;
@@ -74,12 +57,7 @@ TEST_F(FuseE2ETest, StagedVolumeSharedByTwoPodsServedByANodeLevelServer) {
   EXPECT_EQ(ReadFile(export_ + "/shared.txt"), "written in pod a\n");
   ASSERT_RPC_OK(Unpublish("staged-1", t1));
   ASSERT_RPC_OK(Unpublish("staged-1", t2));
-  NodeUnstageVolumeRequest unstage;
-  unstage.set_volume_id("staged-1");
-  unstage.set_staging_target_path(staging);
-  NodeUnstageVolumeResponse resp;
-  auto c = Ctx();
-  ASSERT_RPC_OK(node_->NodeUnstageVolume(c.get(), unstage, &resp));
+  ASSERT_RPC_OK(Unstage("staged-1", staging));
   EXPECT_EQ(MountCountAt(staging), 0);
   EXPECT_FALSE(fs::exists(socket));
   EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());

@@ -151,6 +151,51 @@ class FuseE2ETest : public ::testing::Test {
     auto c = Ctx();
     return node_->NodePublishVolume(c.get(), r, &resp);
   }
+  // Staged FUSE volumes, as kubelet drives them: the global mount path of volume `id`, NodeStage
+  // there, the handoff socket a node-level server connects to, NodePublish into a pod (with the
+  // pod's identity, as podInfoOnMount gives it), and NodeUnstage.
+  std::string StagingPath(const std::string& id) {
+    const std::string staging = kubelet_ + "/plugins/kubernetes.io/csi/fusekeeper.csi/" + id + "/globalmount";
+    fs::create_directories(staging);
+    return staging;
+  }
+  grpc::Status StageFuse(const std::string& id, const std::string& staging) {
+    NodeStageVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_staging_target_path(staging);
+    *r.mutable_volume_capability() = MountCapability();
+    for (const auto& [k, v] : FuseContext()) (*r.mutable_volume_context())[k] = v;
+    NodeStageVolumeResponse resp;
+    auto c = Ctx();
+    return node_->NodeStageVolume(c.get(), r, &resp);
+  }
+  std::string StagedSocket(const std::string& id) {
+    return state_ + "/sockets/" + Sha256Hex(id).substr(0, 32) + ".sock";
+  }
+  grpc::Status PublishStaged(const std::string& id, const std::string& staging, const std::string& target,
+                             const std::string& pod_name = "", const std::string& pod_uid = "") {
+    NodePublishVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_staging_target_path(staging);
+    r.set_target_path(target);
+    *r.mutable_volume_capability() = MountCapability();
+    if (!pod_name.empty()) {
+      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.name"] = pod_name;
+      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.namespace"] = "default";
+      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = pod_uid;
+    }
+    NodePublishVolumeResponse resp;
+    auto c = Ctx();
+    return node_->NodePublishVolume(c.get(), r, &resp);
+  }
+  grpc::Status Unstage(const std::string& id, const std::string& staging) {
+    NodeUnstageVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_staging_target_path(staging);
+    NodeUnstageVolumeResponse resp;
+    auto c = Ctx();
+    return node_->NodeUnstageVolume(c.get(), r, &resp);
+  }
   // Retries ABORTED (an operation on the volume in flight), as kubelet does.
   grpc::Status Unpublish(const std::string& id, const std::string& target) {
     NodeUnpublishVolumeRequest r;

@@ -129,31 +129,13 @@ class RecoveryE2ETest : public FuseE2ETest {
  protected:
   // Stages volume `id` and publishes it to two pods; returns the two targets.
   std::pair<std::string, std::string> StageAndPublishTwo(const std::string& id) {
-    staging_ = kubelet_ + "/plugins/kubernetes.io/csi/fusekeeper.csi/" + id + "/globalmount";
-    fs::create_directories(staging_);
-    NodeStageVolumeRequest stage;
-    stage.set_volume_id(id);
-    stage.set_staging_target_path(staging_);
-    *stage.mutable_volume_capability() = MountCapability();
-    for (const auto& [k, v] : FuseContext()) (*stage.mutable_volume_context())[k] = v;
-    NodeStageVolumeResponse sresp;
-    auto c = Ctx();
-    grpc::Status s = node_->NodeStageVolume(c.get(), stage, &sresp);
+    staging_ = StagingPath(id);
+    grpc::Status s = StageFuse(id, staging_);
     EXPECT_TRUE(s.ok()) << s.error_message();
-    socket_ = state_ + "/sockets/" + Sha256Hex(id).substr(0, 32) + ".sock";
+    socket_ = StagedSocket(id);
     std::pair<std::string, std::string> targets{Pod("pod-a", id), Pod("pod-b", id)};
-    for (const std::string& t : {targets.first, targets.second}) {
-      NodePublishVolumeRequest r;
-      r.set_volume_id(id);
-      r.set_staging_target_path(staging_);
-      r.set_target_path(t);
-      *r.mutable_volume_capability() = MountCapability();
-      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.name"] = t == targets.first ? "a" : "b";
-      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.namespace"] = "default";
-      (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = t == targets.first ? "pod-a" : "pod-b";
-      NodePublishVolumeResponse resp;
-      auto pc = Ctx();
-      grpc::Status ps = node_->NodePublishVolume(pc.get(), r, &resp);
+    for (grpc::Status ps : {PublishStaged(id, staging_, targets.first, "a", "pod-a"),
+                            PublishStaged(id, staging_, targets.second, "b", "pod-b")}) {
       EXPECT_TRUE(ps.ok()) << ps.error_message();
     }
     return targets;
@@ -290,12 +272,7 @@ TEST_F(RecoveryE2ETest, ServerThatCannotAdoptGetsAFreshConnectionAndBothTargetsA
   r2.Stop();
   ASSERT_RPC_OK(Unpublish("fresh-1", t1));
   ASSERT_RPC_OK(Unpublish("fresh-1", t2));
-  NodeUnstageVolumeRequest unstage;
-  unstage.set_volume_id("fresh-1");
-  unstage.set_staging_target_path(staging_);
-  NodeUnstageVolumeResponse resp;
-  auto c = Ctx();
-  ASSERT_RPC_OK(node_->NodeUnstageVolume(c.get(), unstage, &resp));
+  ASSERT_RPC_OK(Unstage("fresh-1", staging_));
   EXPECT_EQ(MountCountAt(staging_), 0);
 }
 

@@ -38,26 +38,11 @@ TEST_F(FuseE2ETest, SoakThousandServerKillsAcrossTwentyVolumes) {
   std::vector<Subprocess*> server(kVolumes);
   for (int v = 0; v < kVolumes; ++v) {
     const std::string id = "soak-" + std::to_string(v);
-    const std::string staging = kubelet_ + "/plugins/kubernetes.io/csi/fusekeeper.csi/" + id + "/globalmount";
-    fs::create_directories(staging);
-    NodeStageVolumeRequest stage;
-    stage.set_volume_id(id);
-    stage.set_staging_target_path(staging);
-    *stage.mutable_volume_capability() = MountCapability();
-    for (const auto& [k, val] : FuseContext()) (*stage.mutable_volume_context())[k] = val;
-    NodeStageVolumeResponse sresp;
-    auto c = Ctx();
-    ASSERT_RPC_OK(node_->NodeStageVolume(c.get(), stage, &sresp));
-    sockets.push_back(state_ + "/sockets/" + Sha256Hex(id).substr(0, 32) + ".sock");
+    const std::string staging = StagingPath(id);
+    ASSERT_RPC_OK(StageFuse(id, staging));
+    sockets.push_back(StagedSocket(id));
     targets.push_back(Pod("pod-" + std::to_string(v), id));
-    NodePublishVolumeRequest r;
-    r.set_volume_id(id);
-    r.set_staging_target_path(staging);
-    r.set_target_path(targets.back());
-    *r.mutable_volume_capability() = MountCapability();
-    NodePublishVolumeResponse presp;
-    auto pc = Ctx();
-    ASSERT_RPC_OK(node_->NodePublishVolume(pc.get(), r, &presp));
+    ASSERT_RPC_OK(PublishStaged(id, staging, targets.back()));
     server[v] = StartServer(sockets.back());
   }
   auto read_ok = [&](int v) {
