@@ -352,7 +352,7 @@ std::string VolumeManager::EndpointKey(const std::string& volume_id, const std::
 
 void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd,
                                   UniqueFd listen_fd, const std::map<std::string, std::string>& secrets,
-                                  const std::vector<std::string>& mount_options) {
+                                  const std::vector<std::string>& mount_options, bool unclaimed_timeout) {
   MountConfig config;
   config.volume_id = v.volume_id();
   config.uid = v.fuse().server_uid();
@@ -388,8 +388,10 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
                                        .peer_uid = v.fuse().server_uid()},
                                       std::move(events));
   const std::string id = v.volume_id();
-  e.timeout = loop_.AddTimer(absl::ToChronoNanoseconds(options_.handoff_timeout),
-                             [this, id, path] { OnHandoffTimeout(id, path); });
+  if (unclaimed_timeout) {
+    e.timeout = loop_.AddTimer(absl::ToChronoNanoseconds(options_.handoff_timeout),
+                               [this, id, path] { OnHandoffTimeout(id, path); });
+  }
   LOG(INFO) << "volume " << id << ": FUSE mount at " << path << " waits for its server on "
             << v.fuse().socket_path();
   endpoints_[key] = std::move(e);
@@ -416,10 +418,7 @@ void VolumeManager::ListenAgain() {
             LOG(WARNING) << "volume " << id << ": cannot listen for its FUSE server again: " << listen->status();
             return;
           }
-          StartEndpoint(it->second, path, UniqueFd(), std::move(**listen), {}, {});
-          auto ep = endpoints_.find(EndpointKey(id, path));
-          loop_.CancelTimer(ep->second.timeout);
-          ep->second.timeout = 0;
+          StartEndpoint(it->second, path, UniqueFd(), std::move(**listen), {}, {}, /*unclaimed_timeout=*/false);
         });
     if (!s.ok()) LOG(WARNING) << s;
   }

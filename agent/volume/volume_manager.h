@@ -129,9 +129,11 @@ class VolumeManager {
                     absl::AnyInvocable<absl::StatusOr<std::optional<state::Volume>>()> work, Done done);
   // FUSE: endpoints by volume and mount path.
   static std::string EndpointKey(const std::string& volume_id, const std::string& path);
+  // `unclaimed_timeout`: a fresh volume no server claims within handoff_timeout is torn down
+  // (volumes an earlier agent or a repair mounted keep waiting).
   void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd,
                      UniqueFd listen_fd, const std::map<std::string, std::string>& secrets,
-                     const std::vector<std::string>& mount_options);
+                     const std::vector<std::string>& mount_options, bool unclaimed_timeout = true);
   void StopEndpoint(const std::string& volume_id, const std::string& path);
   // After start-up: handoff sockets for FUSE volumes mounted by an earlier agent.
   void ListenAgain();

@@ -196,10 +196,9 @@ void VolumeManager::RepairFuse(const std::string& volume_id, const std::string& 
         if (ep != endpoints_.end()) {
           ep->second.endpoint->ReplaceConnection(std::move(r->remounted.fuse_fd));
         } else {
-          StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->listen_fd), {}, {});
+          StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->listen_fd), {}, {},
+                        /*unclaimed_timeout=*/false);
           ep = endpoints_.find(key);
-          loop_.CancelTimer(ep->second.timeout);  // a repaired volume is not an unclaimed one
-          ep->second.timeout = 0;
         }
         ep->second.recovering_since = since;
         ep->second.recovering_how = "fresh connection";
