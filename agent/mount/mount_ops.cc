@@ -37,6 +37,16 @@ absl::Status BindMountFdBlocking(int source_fd, int target_fd, const BindOptions
       return ErrnoStatus(errno, "mount_setattr on the bind of", what);
     }
   }
+  if (options.follow_source) {
+    const unsigned flags = AT_EMPTY_PATH | (options.recursive ? AT_RECURSIVE : 0);
+    for (uint64_t propagation : {uint64_t{MS_SLAVE}, uint64_t{MS_SHARED}}) {
+      mount_attr prop{};
+      prop.propagation = propagation;
+      if (mount_setattr(tree.get(), "", flags, &prop, sizeof(prop)) != 0) {
+        return ErrnoStatus(errno, "mount_setattr(propagation) on the bind of", what);
+      }
+    }
+  }
   if (move_mount(tree.get(), "", target_fd, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) != 0) {
     return ErrnoStatus(errno, absl::StrCat("move_mount of ", what, " onto"), target_path);
   }

@@ -21,6 +21,11 @@ struct BindOptions {
   bool nosuid = false;
   bool nodev = false;
   bool noexec = false;
+  // The copy receives the source's mount propagation but sends none back (slave of the source's
+  // peer group, and shared in a group of its own so that bind copies of it, such as a
+  // container's, follow it). Set before the copy is attached, so no namespace ever sees it as a
+  // peer of the source: an unmount on the copy can then never remove mounts from the source.
+  bool follow_source = false;
 };
 
 // Clones the mount tree at `source_fd` (an O_PATH fd) and attaches it onto `target_fd` (an O_PATH

@@ -17,6 +17,7 @@
 #include "agent/mount/mount_ops.h"
 #include "agent/paths/kubelet_dir.h"
 #include "agent/sys/syscalls.h"
+#include "agent/volume/mount_stack.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -73,18 +74,6 @@ FuseMountOptions MountOptionsFor(const state::Volume& v, bool read_only_target) 
   mo.max_read = v.fuse().max_read();
   return mo;
 }
-
-state::MountIdentity IdentityOf(const sys::MountFacts& f) {
-  state::MountIdentity id;
-  id.set_dev_major(f.dev_major);
-  id.set_dev_minor(f.dev_minor);
-  id.set_root(f.root);
-  id.set_unique_id(f.mnt_id);
-  return id;
-}
-
-// How many stacked mounts recovery removes from one path at most.
-constexpr int kMaxStacked = 16;
 
 }  // namespace
 
@@ -170,8 +159,8 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
 }
 
 absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::string& path,
-                                       const state::MountIdentity& id, const state::Volume& v,
-                                       bool socket_in_kubelet_dir) {
+                                       const state::MountIdentity& id, const state::MountIdentity& base,
+                                       const state::Volume& v, bool socket_in_kubelet_dir) {
   // The socket first, so no server can connect to a volume that is going away. Unlinked through
   // its directory, never following a symlink.
   if (!v.fuse().socket_path().empty()) {
@@ -179,47 +168,22 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
     if (dir.ok()) unlinkat(dir->get(), Name(v.fuse().socket_path()).c_str(), 0);
   }
   // Abort next: a dead or hung server then cannot keep the unmount (or anyone) waiting.
-  absl::Status aborted = AbortFuseConnectionBlocking(id.dev_minor());
-  if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
-    LOG(WARNING) << "aborting FUSE connection " << id.dev_minor() << " of " << path << ": " << aborted;
-  }
-  auto rel = ctx.kubelet->Relative(path, "path");
-  if (!rel.ok()) return rel.status();
-  auto parent = ctx.kubelet->OpenParentBlocking(*rel);
-  if (parent.ok()) {
-    const std::string name(BaseName(*rel));
-    std::optional<sys::MountFacts> top;
-    if (auto fd = ctx.kubelet->OpenPathBlocking(*rel); fd.ok()) {
-      auto facts = LookupMountAtBlocking(fd->get(), ctx.kubelet->MountTablePath(path));
-      if (facts.ok()) top = std::move(*facts);
-    }
-    if (top.has_value() && top->dev_major == id.dev_major() && top->dev_minor == id.dev_minor()) {
-      absl::Status s = UnmountAtBlocking(parent->get(), name, ctx.kubelet->MountTablePath(path));
-      if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
+  for (const state::MountIdentity* c : {&id, &base}) {
+    if (c == &base && base.dev_minor() == id.dev_minor()) break;
+    absl::Status aborted = AbortFuseConnectionBlocking(c->dev_minor());
+    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
+      LOG(WARNING) << "aborting FUSE connection " << c->dev_minor() << " of " << path << ": " << aborted;
     }
   }
+  // Every layer: the live one a repair stacked and the base under it.
+  absl::Status s = UnmountStackBlocking(*ctx.kubelet, path, id, base, /*fuse_layers=*/true);
+  if (!s.ok() && s.code() != absl::StatusCode::kFailedPrecondition) return s;
   return absl::OkStatus();
 }
 
-namespace {
-absl::StatusOr<std::optional<sys::MountFacts>> TopFactsBlocking(const VolumeOpsContext& ctx,
-                                                                const std::string& path) {
-  auto rel = ctx.kubelet->Relative(path, "path");
-  if (!rel.ok()) return rel.status();
-  auto fd = ctx.kubelet->OpenPathBlocking(*rel);
-  if (!fd.ok()) {
-    if (fd.status().code() == absl::StatusCode::kNotFound) return std::optional<sys::MountFacts>();
-    return fd.status();
-  }
-  return LookupMountAtBlocking(fd->get(), ctx.kubelet->MountTablePath(path));
-}
-
-bool IsFuseType(const std::string& fs_type) { return fs_type == "fuse" || absl::StartsWith(fs_type, "fuse."); }
-}  // namespace
-
 absl::StatusOr<std::optional<state::MountIdentity>> TopMountBlocking(const VolumeOpsContext& ctx,
                                                                     const std::string& path) {
-  auto facts = TopFactsBlocking(ctx, path);
+  auto facts = TopOfBlocking(*ctx.kubelet, path);
   if (!facts.ok()) return facts.status();
   if (!facts->has_value()) return std::optional<state::MountIdentity>();
   return std::optional<state::MountIdentity>(IdentityOf(**facts));
@@ -240,31 +204,24 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   }
   const std::string path = staging ? v.staging_path() : v.targets(0).path();
   const state::MountIdentity old = staging ? v.staging_mount() : v.targets(0).mount();
+  state::MountIdentity base = staging ? StagingBase(v) : TargetBase(v.targets(0));
   auto rel = ctx.kubelet->Relative(path, "path");
   if (!rel.ok()) return rel.status();
-  auto parent = ctx.kubelet->OpenParentBlocking(*rel);
-  if (!parent.ok()) return parent.status();
-  const std::string name(BaseName(*rel));
-  const std::string table_path = ctx.kubelet->MountTablePath(path);
   FuseRemounted out;
-  // Our old connection first: aborted, so that nothing (no pod, no thread of ours) keeps waiting
-  // on it, then unmounted, stacked copies included.
-  absl::Status aborted = AbortFuseConnectionBlocking(old.dev_minor());
-  if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
-    LOG(WARNING) << "aborting the old FUSE connection of " << path << ": " << aborted;
-  }
-  for (int i = 0; i < kMaxStacked; ++i) {
-    auto top = TopMountBlocking(ctx, path);
-    if (!top.ok()) return top.status();
-    if (!top->has_value()) break;
-    if ((*top)->dev_major() != old.dev_major() || (*top)->dev_minor() != old.dev_minor()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "something fusekeeper did not mount is mounted at ", path, "; not replacing it"));
+  // Our old connections first: aborted, so that nothing (no pod, no thread of ours) keeps waiting
+  // on them. The base stays mounted: running containers hold copies of it.
+  for (const state::MountIdentity* id : {&old, static_cast<const state::MountIdentity*>(&base)}) {
+    if (id == &base && base.dev_minor() == old.dev_minor()) break;
+    absl::Status aborted = AbortFuseConnectionBlocking(id->dev_minor());
+    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
+      LOG(WARNING) << "aborting an old FUSE connection of " << path << ": " << aborted;
     }
-    absl::Status s = UnmountAtBlocking(parent->get(), name, table_path);
-    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
-    ++out.replaced;
   }
+  // Dead layers above the base go (their umount propagates into the containers' copies too).
+  auto stripped = StripToBaseBlocking(*ctx.kubelet, path, base, std::nullopt);
+  if (!stripped.ok()) return stripped.status();
+  out.removed = stripped->removed;
+  const bool on_base = stripped->at_base;
   auto target = ctx.kubelet->OpenPathBlocking(*rel);
   if (!target.ok()) return target.status();
   auto dev = OpenFuseDeviceBlocking();
@@ -272,16 +229,27 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   const FuseMountOptions mo = MountOptionsFor(v, !staging && v.targets(0).readonly());
   if (auto s = MountFuseBlocking(dev->get(), target->get(), path, mo); !s.ok()) return s;
   target->Reset();
-  auto id = TopMountBlocking(ctx, path);
-  if (!id.ok()) return id.status();
-  if (!id->has_value()) return absl::InternalError(absl::StrCat("fresh FUSE mount at ", path, " vanished"));
-  if (staging) {
-    *v.mutable_staging_mount() = **id;
-  } else {
-    *v.mutable_targets(0)->mutable_mount() = **id;
+  auto top = TopOfBlocking(*ctx.kubelet, path);
+  if (!top.ok()) return top.status();
+  if (!top->has_value()) return absl::InternalError(absl::StrCat("fresh FUSE mount at ", path, " vanished"));
+  if (!on_base) {
+    // Nothing was left at the path (someone unmounted the base): the fresh mount is the new base,
+    // and only containers started from now on can see it.
+    LOG(WARNING) << "volume " << v.volume_id() << ": the mount at " << path
+                 << " was gone; the fresh connection is its new base";
+    base = IdentityOf(**top);
+  } else if (!VisibleThroughBase(**top, base)) {
+    return absl::InternalError(absl::StrCat("the fresh FUSE mount at ", path, " is not on the mount containers follow"));
   }
-  v.set_source_dev_major((*id)->dev_major());
-  v.set_source_dev_minor((*id)->dev_minor());
+  if (staging) {
+    *v.mutable_staging_mount() = IdentityOf(**top);
+    *v.mutable_staging_base() = base;
+  } else {
+    *v.mutable_targets(0)->mutable_mount() = IdentityOf(**top);
+    *v.mutable_targets(0)->mutable_base() = base;
+  }
+  v.set_source_dev_major((*top)->dev_major);
+  v.set_source_dev_minor((*top)->dev_minor);
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   out.volume = std::move(v);
   out.fuse_fd = std::move(*dev);
@@ -299,7 +267,7 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
   const state::MountIdentity global = v.staging_mount();
   bool changed = false;
   // Each target is independent, and most of the time goes to waiting in umount (RCU grace
-  // periods), so several are re-bound at once.
+  // periods), so several are repaired at once.
   auto rebind_one = [&](state::Target* t, RebindOutcome& o, bool* changed) {
     if (t->pending()) return;
     auto rel = ctx.kubelet->Relative(t->path(), "target_path");
@@ -307,77 +275,53 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
       o.failed.push_back(absl::StrCat(t->path(), ": ", rel.status().message()));
       return;
     }
-    auto parent = ctx.kubelet->OpenParentBlocking(*rel);
-    if (!parent.ok()) {
+    if (!ctx.kubelet->OpenParentBlocking(*rel).ok()) {
       // The pod's volume directory is gone (the pod is being deleted): not ours to touch.
       o.skipped.push_back(t->path());
       return;
     }
-    const std::string name(BaseName(*rel));
-    const std::string table_path = ctx.kubelet->MountTablePath(t->path());
-    int removed = 0;
-    absl::Status problem;
-    bool healthy = false;
-    for (int k = 0; k <= kMaxStacked; ++k) {
-      auto top = TopFactsBlocking(ctx, t->path());
-      if (!top.ok()) {
-        problem = top.status();
-        break;
-      }
-      if (!top->has_value()) break;
-      if ((*top)->dev_major == global.dev_major() && (*top)->dev_minor == global.dev_minor()) {
-        healthy = removed == 0;  // else: the current global mount was under stale ones
-        break;
-      }
-      // Ours: the mount we made there, or a FUSE mount of an older global connection.
-      const bool ours = ((*top)->dev_major == t->mount().dev_major() && (*top)->dev_minor == t->mount().dev_minor()) ||
-                        IsFuseType((*top)->fs_type);
-      if (!ours || k == kMaxStacked) {
-        problem = absl::FailedPreconditionError(
-            k == kMaxStacked ? absl::StrCat("more than ", kMaxStacked, " stacked mounts")
-                             : "something fusekeeper did not mount is on top of it");
-        break;
-      }
-      absl::Status s = UnmountAtBlocking(parent->get(), name, table_path);
-      if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
-        problem = s;
-        break;
-      }
-      ++removed;
-    }
-    if (healthy) return;
-    if (!problem.ok()) {
-      o.failed.push_back(absl::StrCat(t->path(), ": ", problem.message()));
+    state::MountIdentity base = TargetBase(*t);
+    auto stripped = StripToBaseBlocking(*ctx.kubelet, t->path(), base, global);
+    if (!stripped.ok()) {
+      o.failed.push_back(absl::StrCat(t->path(), ": ", stripped.status().message()));
       return;
     }
-    if (removed > 1) o.stacked_removed += removed - 1;
-    auto source = ctx.kubelet->OpenPathBlocking(*staging_rel);
-    auto target = ctx.kubelet->OpenPathBlocking(*rel);
-    if (!source.ok() || !target.ok()) {
-      o.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
-      return;
-    }
-    // If the current global mount is already somewhere in the stack, removing the stale ones
-    // above it has healed the target.
-    auto now = TopMountBlocking(ctx, t->path());
-    if (now.ok() && now->has_value() && (*now)->dev_major() == global.dev_major() &&
-        (*now)->dev_minor() == global.dev_minor()) {
-      *t->mutable_mount() = **now;
-    } else {
+    if (stripped->removed > 1) o.stacked_removed += stripped->removed - 1;
+    std::optional<sys::MountFacts> top = std::move(stripped->top);
+    if (!stripped->live) {
+      // Stack a bind of the live global mount on the base (or, if the target lost every mount,
+      // make it the new base).
+      auto source = ctx.kubelet->OpenPathBlocking(*staging_rel);
+      auto target = ctx.kubelet->OpenPathBlocking(*rel);
+      if (!source.ok() || !target.ok()) {
+        o.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
+        return;
+      }
       BindOptions bind;
       bind.read_only = t->readonly();
+      bind.follow_source = true;
       if (auto s = BindMountFdBlocking(source->get(), target->get(), bind, v.staging_path(), t->path()); !s.ok()) {
         o.failed.push_back(absl::StrCat(t->path(), ": ", s.message()));
         return;
       }
       target->Reset();
-      auto id = TopMountBlocking(ctx, t->path());
-      if (!id.ok() || !id->has_value()) {
+      auto now = TopOfBlocking(*ctx.kubelet, t->path());
+      if (!now.ok() || !now->has_value()) {
         o.failed.push_back(absl::StrCat(t->path(), ": the new bind mount vanished"));
         return;
       }
-      *t->mutable_mount() = **id;
+      if (!stripped->at_base) base = IdentityOf(**now);
+      top = std::move(*now);
+    } else if (IsMount(*top, t->mount())) {
+      return;  // healthy: already on the live connection
     }
+    // Else the live layer arrived by propagation from the global mount.
+    if (!VisibleThroughBase(*top, base)) {
+      o.failed.push_back(absl::StrCat(t->path(), ": the live connection is not on the mount its containers follow"));
+      return;
+    }
+    *t->mutable_mount() = IdentityOf(*top);
+    *t->mutable_base() = base;
     o.rebound.push_back(t->path());
     *changed = true;
     CrashPoint("recovery-rebound-one");

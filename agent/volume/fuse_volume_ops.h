@@ -29,23 +29,26 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
                                                     int target_index, std::optional<state::Volume> previous,
                                                     bool socket_in_kubelet_dir);
 
-// Ends the FUSE mount at `path` (RPC form): aborts the connection (so no process and no agent
-// thread can stay blocked on it), unmounts it, removes the handoff socket. Idempotent.
+// Ends the FUSE mount at `path` (RPC form): removes the handoff socket, aborts the connections
+// of the top layer `id` and the base (so no process and no agent thread can stay blocked on
+// them), and unmounts every layer of ours (mount_stack.h). A foreign mount on top is left alone.
+// Idempotent.
 absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::string& path,
-                                       const state::MountIdentity& id, const state::Volume& volume,
-                                       bool socket_in_kubelet_dir);
+                                       const state::MountIdentity& id, const state::MountIdentity& base,
+                                       const state::Volume& volume, bool socket_in_kubelet_dir);
 
 // --- Recovery (BlockingPool only) ---
 
 struct FuseRemounted {
   state::Volume volume;  // with the fresh mount's identity recorded (and saved)
   UniqueFd fuse_fd;      // the agent's fd on the fresh connection
-  int replaced = 0;      // how many of our old FUSE mounts were removed from the path first
+  int removed = 0;       // dead layers removed from the path first
 };
 
-// Replaces the volume's FUSE mount (at the staging path, or at an inline volume's target) with a
-// fresh connection: aborts and unmounts our old connection's mount(s) there (stacked copies
-// included; a mount that is not ours is left alone and reported), then mounts a fresh one.
+// Gives the volume's FUSE mount (at the staging path, or at an inline volume's target) a fresh
+// connection, stacked on the base (mount_stack.h) so that running containers see it: aborts the
+// old connections, removes dead layers above the base (a mount that is not ours is left alone
+// and reported), then mounts the fresh connection on the base.
 absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, state::Volume volume);
 
 struct RebindOutcome {
@@ -56,9 +59,10 @@ struct RebindOutcome {
   int stacked_removed = 0;            // mounts removed beyond one per rebound target
 };
 
-// Staged volumes: every target whose top mount is not the volume's current staging mount (its
-// superblock differs: the global mount was replaced) is unmounted down to the path (stacked
-// copies included, at most kMaxStacked) and bound again from the staging mount.
+// Staged volumes: every target whose top mount is not on the live global connection gets its
+// dead layers removed down to its base, then the live global mount bound on top of that base
+// (unless propagation from the global mount has already put it there). The base is never
+// removed: running containers hold copies of it.
 absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx, state::Volume volume);
 
 // The volume's handoff socket, made again (an agent restarted without its endpoints).

@@ -74,7 +74,8 @@ ReconcileOutcome Reconcile(std::vector<state::Volume> volumes, const MountTable&
                  !v.staging_pending() && top->major == v.staging_mount().dev_major() &&
                  top->minor == v.staging_mount().dev_minor()) {
         // Re-bound onto the current global mount by a recovery the previous agent did not get
-        // to record: adopt it.
+        // to record: adopt it, on the base it was stacked on.
+        if (!t.has_base()) *t.mutable_base() = t.mount();
         *t.mutable_mount() = IdentityOf(*top);
         out.notes.push_back(absl::StrCat("volume ", id, ": adopted re-bound mount at ", t.path()));
         changed = true;

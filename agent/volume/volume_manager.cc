@@ -1,10 +1,13 @@
 #include "agent/volume/volume_manager.h"
 
+#include "agent/volume/mount_stack.h"
+
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/paths/host_path.h"
+#include "agent/volume/mount_stack.h"
 #include "agent/volume/reconcile.h"
 #include "glog/logging.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -455,11 +458,11 @@ void VolumeManager::OnHandoffTimeout(const std::string& volume_id, const std::st
   RunJob<std::optional<state::Volume>>(
       volume_id, "handoff timeout",
       [ctx = ctx_, v, path, staging]() mutable -> absl::StatusOr<std::optional<state::Volume>> {
-        state::MountIdentity id = v.staging_mount();
+        state::MountIdentity id = v.staging_mount(), base = StagingBase(v);
         for (const auto& t : v.targets()) {
-          if (t.path() == path) id = t.mount();
+          if (t.path() == path) id = t.mount(), base = TargetBase(t);
         }
-        if (auto s = TearDownFuseMountBlocking(ctx, path, id, v, /*socket_in_kubelet_dir=*/!staging); !s.ok()) {
+        if (auto s = TearDownFuseMountBlocking(ctx, path, id, base, v, /*socket_in_kubelet_dir=*/!staging); !s.ok()) {
           return s;
         }
         if (staging) {
@@ -615,7 +618,7 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
       id, "NodeUnstageVolume",
       [ctx = ctx_, v]() -> absl::StatusOr<std::optional<state::Volume>> {
         if (IsFuse(v)) {
-          if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(), v, false); !s.ok()) {
+          if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(), StagingBase(v), v, false); !s.ok()) {
             return s;
           }
           if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
@@ -806,11 +809,11 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
   if (fuse_inline) StopEndpoint(id, target);
   RunVolumeJob(
       id, "NodeUnpublishVolume",
-      [ctx = ctx_, v = it->second, target, fuse_inline, id_of_mount = known->mount()]() mutable
-      -> absl::StatusOr<std::optional<state::Volume>> {
+      [ctx = ctx_, v = it->second, target, fuse_inline, id_of_mount = known->mount(),
+       base = TargetBase(*known)]() mutable -> absl::StatusOr<std::optional<state::Volume>> {
         if (fuse_inline) {
           // The pod is going away with its sidecar: abort the connection, then unmount.
-          if (auto s = TearDownFuseMountBlocking(ctx, target, id_of_mount, v, true); !s.ok()) return s;
+          if (auto s = TearDownFuseMountBlocking(ctx, target, id_of_mount, base, v, true); !s.ok()) return s;
         }
         return UnpublishBlocking(ctx, std::move(v), target);
       },

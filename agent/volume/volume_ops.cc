@@ -11,6 +11,7 @@
 #include "agent/base/status.h"
 #include "agent/paths/host_path.h"
 #include "agent/sys/syscalls.h"
+#include "agent/volume/mount_stack.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -19,8 +20,6 @@ namespace {
 // A non-directory source (file, socket, device) cannot be bound onto the staging directory
 // kubelet creates, so it is bound onto this file inside it.
 constexpr char kStagedFileName[] = "hostpath";
-// How many stacked copies of our mount unpublish removes at most.
-constexpr int kMaxStackedUnmounts = 8;
 
 // Absolute path as the mount table shows it (kubelet dir symlinks resolved).
 std::string Abs(const VolumeOpsContext& ctx, const std::string& rel) {
@@ -47,6 +46,12 @@ absl::StatusOr<state::MountIdentity> IdentifyBlocking(int fd, const std::string&
 
 bool SameDevice(const std::optional<sys::MountFacts>& facts, uint32_t major, uint32_t minor) {
   return facts.has_value() && facts->dev_major == major && facts->dev_minor == minor;
+}
+
+// A staged volume's targets follow the global mount (see mount_stack.h).
+BindOptions StagedBind(const state::Volume& v, BindOptions bind) {
+  bind.follow_source = !v.staging_path().empty();
+  return bind;
 }
 
 // Restores what was saved before a failed operation began.
@@ -89,39 +94,6 @@ absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const
         ", but the volume's source ", directory ? "is a directory" : "is not a directory"));
   }
   return false;
-}
-
-// Unmounts our mount(s) at rel (possibly stacked), leaving anything foreign in place.
-absl::Status UnmountOursBlocking(const VolumeOpsContext& ctx, const std::string& rel,
-                                 const state::MountIdentity& id) {
-  const std::string path = Abs(ctx, rel);
-  auto parent = ctx.kubelet->OpenParentBlocking(rel);
-  if (!parent.ok()) return parent.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : parent.status();
-  const std::string name(BaseName(rel));
-  for (int i = 0; i < kMaxStackedUnmounts; ++i) {
-    std::optional<sys::MountFacts> top;
-    {
-      // Closed before unmounting: an fd on the mount would pin it (EBUSY).
-      auto fd = ctx.kubelet->OpenPathBlocking(rel);
-      if (!fd.ok()) return fd.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : fd.status();
-      auto facts = LookupMountAtBlocking(fd->get(), path);
-      if (!facts.ok()) return facts.status();
-      top = std::move(*facts);
-    }
-    if (!top.has_value()) return absl::OkStatus();
-    // A bind of the same source is ours even if a restart lost its unique id.
-    if (!SameDevice(top, id.dev_major(), id.dev_minor()) || top->root != id.root()) {
-      if (i == 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "something fusekeeper did not mount is mounted at ", path, " (", top->fs_type,
-            "); not unmounting it"));
-      }
-      return absl::OkStatus();
-    }
-    absl::Status s = UnmountAtBlocking(parent->get(), name, path);
-    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
-  }
-  return absl::OkStatus();
 }
 
 // Removes a mount point we created (or any empty directory).
@@ -273,7 +245,8 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   } else if (facts->has_value()) {
     return fail(absl::AlreadyExistsError(absl::StrCat(
         "something else (", (*facts)->fs_type, ") is already mounted at ", t->path())));
-  } else if (auto s = BindMountFdBlocking(source.get(), target->get(), bind, source_name, t->path()); !s.ok()) {
+  } else if (auto s = BindMountFdBlocking(source.get(), target->get(), StagedBind(v, bind), source_name, t->path());
+             !s.ok()) {
     if (*created) RemoveMountPointBlocking(ctx, *rel, v.is_directory(), true);
     return fail(s);
   } else {
@@ -301,11 +274,14 @@ absl::StatusOr<std::optional<state::Volume>> UnpublishBlocking(const VolumeOpsCo
     auto rel = Rel(ctx, path);
     if (!rel.ok()) return rel.status();
     state::MountIdentity id = t.mount();
+    state::MountIdentity base = TargetBase(t);
     if (t.pending()) {  // never completed: whatever of ours is there has the source's device
       id.set_dev_major(v.source_dev_major());
       id.set_dev_minor(v.source_dev_minor());
+      base = id;
     }
-    absl::Status s = UnmountOursBlocking(ctx, *rel, id);
+    // Every layer: a repair may have stacked the live connection on the base publish made.
+    absl::Status s = UnmountStackBlocking(*ctx.kubelet, path, id, base, v.kind() == "fuse");
     if (!s.ok() && !(t.pending() && s.code() == absl::StatusCode::kFailedPrecondition)) return s;
     CrashPoint("unpublish-unmounted");
     RemoveMountPointBlocking(ctx, *rel, v.is_directory(), t.created());
@@ -324,11 +300,14 @@ absl::Status UnstageBlocking(const VolumeOpsContext& ctx, const state::Volume& v
   if (!rel.ok()) return rel.status();
   std::string mount_rel = v.is_directory() ? *rel : absl::StrCat(*rel, "/", kStagedFileName);
   state::MountIdentity id = v.staging_mount();
+  state::MountIdentity base = StagingBase(v);
   if (v.staging_pending()) {
     id.set_dev_major(v.source_dev_major());
     id.set_dev_minor(v.source_dev_minor());
+    base = id;
   }
-  absl::Status s = UnmountOursBlocking(ctx, mount_rel, id);
+  const std::string mount_path = v.is_directory() ? v.staging_path() : absl::StrCat(v.staging_path(), "/", kStagedFileName);
+  absl::Status s = UnmountStackBlocking(*ctx.kubelet, mount_path, id, base, v.kind() == "fuse");
   if (!s.ok() && !(v.staging_pending() && s.code() == absl::StatusCode::kFailedPrecondition)) return s;
   CrashPoint("unstage-unmounted");
   if (!v.is_directory()) RemoveMountPointBlocking(ctx, mount_rel, false, true);

@@ -311,6 +311,10 @@ void VolumeManager::Audit(const std::string& why, absl::AnyInvocable<void()> don
         const MountEntry* top = (*table)->FindTop(kubelet_.MountTablePath(v.targets(0).path()));
         if (top == nullptr) {
           repair.emplace_back(id, absl::StrCat(why, ": the FUSE mount at ", v.targets(0).path(), " is gone"));
+        } else if (!SameDev(top, v.targets(0).mount())) {
+          // Its live layer was removed, leaving the (dead) base on top.
+          repair.emplace_back(id, absl::StrCat(why, ": the FUSE mount at ", v.targets(0).path(),
+                                               " is no longer the live connection"));
         }
       }
     }

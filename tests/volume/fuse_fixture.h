@@ -24,6 +24,7 @@
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/mount_fixture.h"
 #include "tests/testing/subprocess.h"
+#include "tests/volume/pod_reader.h"
 
 namespace fusekeeper {
 
@@ -73,6 +74,10 @@ class FuseE2ETest : public ::testing::Test {
     export_ = root_.path() + "/export";
     fs::create_directories(kubelet_ + "/pods");
     fs::create_directories(export_);
+    // As on a real node, the kubelet dir is an rshared mount: what is mounted below it propagates
+    // into the containers' copies of pod targets (see PodReader).
+    ASSERT_EQ(mount(kubelet_.c_str(), kubelet_.c_str(), nullptr, MS_BIND, nullptr), 0) << strerror(errno);
+    ASSERT_EQ(mount(nullptr, kubelet_.c_str(), nullptr, MS_SHARED | MS_REC, nullptr), 0) << strerror(errno);
     chmod(root_.path().c_str(), 0755);
     chown(export_.c_str(), kServerUid, kServerUid);
     { std::ofstream(export_ + "/hello.txt") << "hello from the export\n"; }
@@ -113,6 +118,14 @@ class FuseE2ETest : public ::testing::Test {
       }
     }));
     return servers_.back().get();
+  }
+
+  // Reads `file` under pod target `target` from a container-like view (pod_reader.h), made when
+  // the reader starts: wait for its first reads before changing the target's mounts.
+  std::unique_ptr<Reader> PodReader(const std::string& target, const std::string& file) {
+    const std::string view = root_.path() + "/views/" + std::to_string(views_++);
+    fs::create_directories(view);
+    return Reader::InPod(target, file, view);
   }
 
   std::unique_ptr<grpc::ClientContext> Ctx() {
@@ -225,6 +238,7 @@ class FuseE2ETest : public ::testing::Test {
   std::unique_ptr<Subprocess> agent_;
   std::vector<std::string> agent_env_;  // extra environment for the agent
   std::vector<std::unique_ptr<Subprocess>> servers_;
+  int views_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Node::Stub> node_;
 };

@@ -17,96 +17,10 @@
 #include "tests/testing/hello_fuse_server.h"
 #include "tests/testing/fake_kube.h"
 #include "tests/volume/fuse_fixture.h"
+#include "tests/volume/pod_reader.h"
 
 namespace fusekeeper {
 namespace {
-
-// Reads `path` over and over (open, read, close) in a process of its own, as a pod would, and
-// counts what happened. A process, not a thread: the test process forks servers, and a fork
-// child inherits open FUSE files, whose close-on-exec sends FUSE_FLUSH to the very server being
-// started (a deadlock no real pod has).
-class Reader {
- public:
-  explicit Reader(std::string path) : state_(std::make_shared<State>()) {
-    state_->path = std::move(path);
-    int sv[2];
-    PCHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0);
-    pid_ = fork();
-    PCHECK(pid_ >= 0);
-    if (pid_ == 0) {
-      close(sv[0]);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      ReadForever(state_->path.c_str(), sv[1]);
-    }
-    close(sv[1]);
-    thread_ = std::thread([s = state_, fd = sv[0]] { Collect(*s, fd); });
-  }
-  ~Reader() { Stop(); }
-  void Stop() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);  // a read stuck on a dead mount is killable
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-    thread_.join();
-  }
-  int64_t reads() const { return state_->reads; }
-  int64_t errors() const { return state_->errors; }
-  // Waits until `n` more successful reads of `want` in a row have happened.
-  bool WaitForReadsOf(const std::string& want, int n = 5) {
-    std::unique_lock<std::mutex> lock(state_->mu);
-    const int64_t start = state_->last == want ? state_->matching : 0;
-    return state_->cv.wait_for(lock, kTestDeadline,
-                               [&] { return state_->last == want && state_->matching >= start + n; });
-  }
-
- private:
-  struct State {
-    std::string path;
-    std::mutex mu;
-    std::condition_variable cv;
-    std::atomic<int64_t> reads{0}, errors{0};
-    int64_t matching = 0;
-    std::string last;
-  };
-  // Child: one message per read: "+content" or "-errno".
-  [[noreturn]] static void ReadForever(const char* path, int out) {
-    char msg[512];
-    while (true) {
-      size_t len = 1;
-      msg[0] = '+';
-      int fd = open(path, O_RDONLY | O_CLOEXEC);
-      ssize_t n = fd < 0 ? -1 : 0;
-      while (fd >= 0 && (n = read(fd, msg + len, sizeof(msg) - len)) > 0) len += static_cast<size_t>(n);
-      const int err = errno;
-      if (fd >= 0) close(fd);
-      if (n < 0) len = static_cast<size_t>(snprintf(msg, sizeof(msg), "-%d", err));
-      if (send(out, msg, len, MSG_NOSIGNAL) < 0) _exit(0);
-    }
-  }
-  static void Collect(State& s, int fd) {
-    char msg[512];
-    ssize_t n;
-    while ((n = recv(fd, msg, sizeof(msg), 0)) > 0) {
-      std::lock_guard<std::mutex> lock(s.mu);
-      if (msg[0] == '+') {
-        std::string got(msg + 1, static_cast<size_t>(n) - 1);
-        ++s.reads;
-        s.matching = got == s.last ? s.matching + 1 : 1;
-        s.last = std::move(got);
-      } else {
-        ++s.errors;
-        s.matching = 0;
-        s.last.clear();
-      }
-      s.cv.notify_all();
-    }
-    close(fd);
-  }
-
-  std::shared_ptr<State> state_;
-  pid_t pid_ = -1;
-  std::thread thread_;
-};
 
 // GET http://127.0.0.1:<port><path> with a plain socket; the whole response.
 std::string HttpGet(int port, const std::string& path) {
@@ -247,75 +161,150 @@ TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNev
   EXPECT_TRUE(absl::StrContains(HttpGet(port, "/nope"), "404"));
 }
 
-TEST_F(RecoveryE2ETest, ServerThatCannotAdoptGetsAFreshConnectionAndBothTargetsAreReBound) {
+TEST_F(RecoveryE2ETest, ServerThatCannotAdoptGetsAFreshConnectionThatRunningContainersSee) {
   StartAgent();
   auto [t1, t2] = StageAndPublishTwo("fresh-1");
   Subprocess* first = StartServer(socket_);
-  Reader r1(t1 + "/hello.txt"), r2(t2 + "/hello");
-  ASSERT_TRUE(r1.WaitForReadsOf("hello from the export\n")) << first->Stderr();
+  // Containers started before the crash: they hold copies of the targets' mounts.
+  auto p1 = PodReader(t1, "hello.txt");
+  auto p2 = PodReader(t2, "hello");
+  ASSERT_TRUE(p1->WaitForReadsOf("hello from the export\n")) << p1->setup_error() << first->Stderr();
   first->Signal(SIGKILL);
   ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
   // A launched libfuse program cannot adopt a live connection: fkserve asks for a fresh one.
   Subprocess* second = StartLaunchedHello("relaunched\n");
-  ASSERT_TRUE(r2.WaitForReadsOf("relaunched\n"))
-      << "reads " << r2.reads() << " errors " << r2.errors() << " now: '" << ReadFile(t2 + "/hello") << "' errno "
-      << errno << " second server: " << second->Wait(std::chrono::milliseconds(1)).value_or(-1) << " " << second->Stderr()
+  ASSERT_TRUE(p2->WaitForReadsOf("relaunched\n"))
+      << "pod view: reads " << p2->reads() << " errors " << p2->errors() << " host: '" << ReadFile(t2 + "/hello")
+      << "' second server: " << second->Wait(std::chrono::milliseconds(1)).value_or(-1) << " " << second->Stderr()
       << agent_->Stderr();
-  r1.Stop();
-  EXPECT_EQ(ReadFile(t1 + "/hello"), "relaunched\n") << "both pod targets were re-bound";
-  EXPECT_EQ(MountCountAt(t1), 1) << "the stale bind was replaced, not stacked";
-  EXPECT_EQ(MountCountAt(t2), 1);
-  EXPECT_EQ(MountCountAt(staging_), 1) << "the old connection's mount is gone";
+  auto p1b = PodReader(t1, "hello");
+  ASSERT_TRUE(p1b->WaitForReadsOf("relaunched\n")) << "the first pod's container sees the fresh connection too";
+  EXPECT_EQ(ReadFile(t1 + "/hello"), "relaunched\n") << "and so does the host";
+  EXPECT_EQ(MountCountAt(staging_), 2) << "the fresh connection is stacked on the global mount";
+  EXPECT_EQ(MountCountAt(t1), 2) << "the live layer on the target's base, which containers follow";
+  EXPECT_EQ(MountCountAt(t2), 2);
   ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
   EXPECT_NE(second->Stderr().find("asking for a fresh one"), std::string::npos);
-  // Unpublish and unstage still work on the repaired volume.
-  r2.Stop();
+  // Unpublish and unstage still work on the repaired volume, and remove every layer.
+  p1->Stop();
+  p1b->Stop();
+  p2->Stop();
   ASSERT_RPC_OK(Unpublish("fresh-1", t1));
   ASSERT_RPC_OK(Unpublish("fresh-1", t2));
   ASSERT_RPC_OK(Unstage("fresh-1", staging_));
   EXPECT_EQ(MountCountAt(staging_), 0);
+  EXPECT_EQ(MountCountAt(t1), 0);
+  EXPECT_EQ(MountCountAt(t2), 0);
 }
 
-TEST_F(RecoveryE2ETest, AbortedConnectionIsRemountedAndTheNextServerServesIt) {
+TEST_F(RecoveryE2ETest, AbortedConnectionIsRemountedAndTheNextServerServesEveryPodView) {
   StartAgent();
   auto [t1, t2] = StageAndPublishTwo("abort-1");
   Subprocess* first = StartServer(socket_);
-  Reader r1(t1 + "/hello.txt");
-  ASSERT_TRUE(r1.WaitForReadsOf("hello from the export\n")) << first->Stderr();
-  struct stat st;
-  ASSERT_EQ(stat(staging_.c_str(), &st), 0);
-  ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
-  // The first server sees its connection end and exits; the agent mounts a fresh connection.
-  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
-  Subprocess* second = StartServer(socket_);
-  ASSERT_TRUE(r1.WaitForReadsOf("hello from the export\n")) << second->Stderr() << agent_->Stderr();
-  EXPECT_EQ(ReadFile(t2 + "/hello.txt"), "hello from the export\n");
-  EXPECT_EQ(MountCountAt(staging_), 1);
-  EXPECT_EQ(MountCountAt(t1), 1);
-  ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
+  const std::string want = "hello from the export\n";
+  auto p1 = PodReader(t1, "hello.txt");
+  auto p2 = PodReader(t2, "hello.txt");
+  Reader h1(t1 + "/hello.txt");
+  ASSERT_TRUE(p1->WaitForReadsOf(want)) << p1->setup_error() << first->Stderr();
+  ASSERT_TRUE(p2->WaitForReadsOf(want));
+  // Three rounds: each repair removes the dead layer before stacking the next, so a path never
+  // holds more than its base and one live layer. A third pod is published after the first
+  // repair: its base is a bind of that repair's layer, which later repairs of the global mount
+  // do not propagate to, so the agent stacks the live connection on it itself.
+  std::string t3;
+  std::unique_ptr<Reader> p3;
+  for (int round = 0; round < 3; ++round) {
+    if (round == 1) {
+      t3 = Pod("pod-c", "abort-1");
+      ASSERT_RPC_OK(PublishStaged("abort-1", staging_, t3, "c", "pod-c"));
+      p3 = PodReader(t3, "hello.txt");
+      ASSERT_TRUE(p3->WaitForReadsOf(want)) << p3->setup_error();
+      EXPECT_EQ(MountCountAt(t3), 1);
+    }
+    struct stat st;
+    ASSERT_EQ(stat(staging_.c_str(), &st), 0);
+    ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
+    // The server sees its connection end and exits; the agent mounts a fresh connection.
+    ASSERT_TRUE(servers_.back()->Wait(std::chrono::milliseconds(20000)).has_value());
+    Subprocess* next = StartServer(socket_);
+    ASSERT_TRUE(p1->WaitForReadsOf(want)) << "round " << round << ": " << next->Stderr() << agent_->Stderr();
+    ASSERT_TRUE(p2->WaitForReadsOf(want)) << "round " << round;
+    ASSERT_TRUE(h1.WaitForReadsOf(want)) << "round " << round;
+    EXPECT_EQ(MountCountAt(staging_), 2) << "round " << round;
+    EXPECT_EQ(MountCountAt(t1), 2) << "round " << round;
+    EXPECT_EQ(MountCountAt(t2), 2) << "round " << round;
+    if (p3) {
+      ASSERT_TRUE(p3->WaitForReadsOf(want)) << "round " << round << agent_->Stderr();
+      EXPECT_EQ(MountCountAt(t3), 2) << "round " << round;
+    }
+  }
+  ASSERT_TRUE(WaitForAgentLog("MountRecovered", 3)) << agent_->Stderr();
+  // The first pod goes away: removing its layers must not take the live connection from the
+  // global mount or from the other pod (umount propagates to a mount's peers).
+  p1->Stop();
+  h1.Stop();
+  ASSERT_RPC_OK(Unpublish("abort-1", t1));
+  EXPECT_EQ(MountCountAt(t1), 0);
+  EXPECT_EQ(MountCountAt(staging_), 2);
+  EXPECT_EQ(MountCountAt(t2), 2);
+  ASSERT_TRUE(p2->WaitForReadsOf(want)) << "the other pod still reads";
+  EXPECT_EQ(ReadFile(staging_ + "/hello.txt"), want);
 }
 
-TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseAllTargetsAreReBound) {
+TEST_F(RecoveryE2ETest, InlineVolumeWhoseConnectionIsAbortedHealsInsideTheRunningContainer) {
+  StartAgent();
+  const std::string target = Pod("pod-i", "inline-1");
+  ASSERT_RPC_OK(PublishInline("inline-1", "pod-i", target));
+  socket_ = PodSocket("pod-i");
+  Subprocess* first = StartServer(socket_);
+  const std::string want = "hello from the export\n";
+  auto view = PodReader(target, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << first->Stderr() << agent_->Stderr();
+  for (int round = 0; round < 2; ++round) {
+    struct stat st;
+    ASSERT_EQ(stat(target.c_str(), &st), 0);
+    ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
+    ASSERT_TRUE(servers_.back()->Wait(std::chrono::milliseconds(20000)).has_value());
+    Subprocess* next = StartServer(socket_);
+    ASSERT_TRUE(view->WaitForReadsOf(want)) << "round " << round << ": the container reads through the fresh "
+                                            << "connection; last '" << view->last() << "' errors " << view->errors()
+                                            << "\n" << next->Stderr() << agent_->Stderr();
+    EXPECT_EQ(MountCountAt(target), 2) << "base + live layer, round " << round;
+  }
+  NodeGetVolumeStatsResponse stats = Stats("inline-1", target);
+  EXPECT_FALSE(stats.volume_condition().abnormal()) << stats.volume_condition().message();
+  view->Stop();
+  ASSERT_RPC_OK(Unpublish("inline-1", target));
+  EXPECT_EQ(MountCountAt(target), 0) << "unpublish removes every layer";
+  EXPECT_FALSE(fs::exists(target));
+}
+
+TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseReachesEveryPodView) {
   // The kubelet is down (nothing listens): its polls fail with clear errors, and recovery by
   // mount-table events works regardless.
   StartAgent({"--kubelet_url=https://127.0.0.1:1/pods", "--kubelet_poll_period_ms=20"});
   auto [t1, t2] = StageAndPublishTwo("fluid-1");
+  { std::ofstream(export_ + "/hello") << "export hello\n"; }
   Subprocess* first = StartServer(socket_);
-  ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
+  auto p1 = PodReader(t1, "hello");
+  auto p2 = PodReader(t2, "hello");
+  ASSERT_TRUE(p1->WaitForReadsOf("export hello\n")) << p1->setup_error() << first->Stderr();
+  ASSERT_TRUE(p2->WaitForReadsOf("export hello\n"));
   // A privileged FUSE pod (as Fluid's runtimes do) mounts its own connection on the global path.
   auto server = MountOtherServerOnStaging("served by the other pod\n");
   ASSERT_NE(server, nullptr);
-  Reader r1(t1 + "/hello"), r2(t2 + "/hello");
+  Reader r1(t1 + "/hello");
   ASSERT_TRUE(r1.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
-  ASSERT_TRUE(r2.WaitForReadsOf("served by the other pod\n"));
-  EXPECT_EQ(MountCountAt(t1), 1) << "re-bound, not stacked";
-  EXPECT_EQ(MountCountAt(t2), 1);
-  ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
-  EXPECT_NE(agent_->Stderr().find("was replaced (fuse.otherfs)"), std::string::npos);
+  ASSERT_TRUE(p1->WaitForReadsOf("served by the other pod\n"));
+  ASSERT_TRUE(p2->WaitForReadsOf("served by the other pod\n"));
+  EXPECT_EQ(MountCountAt(t1), 2) << "stacked on the base";
+  EXPECT_EQ(MountCountAt(t2), 2);
+  ASSERT_TRUE(WaitForAgentLog("was replaced (fuse.otherfs)")) << agent_->Stderr();
   ASSERT_TRUE(WaitForAgentLog("polling the kubelet at https://127.0.0.1:1/pods: ")) << agent_->Stderr();
   EXPECT_TRUE(WaitForAgentLog("recovery still works from mount-table and FUSE connection events"));
+  p1->Stop();
+  p2->Stop();
   r1.Stop();
-  r2.Stop();
   EndOtherServer(std::move(server));
 }
 
@@ -323,8 +312,12 @@ TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();
   auto [t1, t2] = StageAndPublishTwo("crash-1");
+  { std::ofstream(export_ + "/hello") << "export hello\n"; }
   Subprocess* first = StartServer(socket_);
-  ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
+  auto p1 = PodReader(t1, "hello");
+  auto p2 = PodReader(t2, "hello");
+  ASSERT_TRUE(p1->WaitForReadsOf("export hello\n")) << p1->setup_error() << first->Stderr();
+  ASSERT_TRUE(p2->WaitForReadsOf("export hello\n"));
   // Someone else mounts a new connection on the global path; the agent starts re-binding and
   // is killed (SIGKILL) right after the first target.
   auto server = MountOtherServerOnStaging("served by the other pod\n");
@@ -333,13 +326,12 @@ TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   // Restarted (as the DaemonSet would), the agent finishes the recovery by itself.
   agent_env_.clear();
   StartAgent();
-  Reader r1(t1 + "/hello"), r2(t2 + "/hello");
-  ASSERT_TRUE(r1.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
-  ASSERT_TRUE(r2.WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
-  EXPECT_EQ(MountCountAt(t1), 1);
-  EXPECT_EQ(MountCountAt(t2), 1);
-  r1.Stop();
-  r2.Stop();
+  ASSERT_TRUE(p1->WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
+  ASSERT_TRUE(p2->WaitForReadsOf("served by the other pod\n")) << agent_->Stderr();
+  EXPECT_EQ(MountCountAt(t1), 2);
+  EXPECT_EQ(MountCountAt(t2), 2);
+  p1->Stop();
+  p2->Stop();
   // Both targets are still known: kubelet's unpublish works and leaves nothing behind.
   ASSERT_RPC_OK(Unpublish("crash-1", t1));
   ASSERT_RPC_OK(Unpublish("crash-1", t2));

@@ -1,0 +1,122 @@
+#include "agent/volume/mount_stack.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "agent/mount/mount_ops.h"
+
+namespace fusekeeper {
+
+const state::MountIdentity& TargetBase(const state::Target& t) { return t.has_base() ? t.base() : t.mount(); }
+
+const state::MountIdentity& StagingBase(const state::Volume& v) {
+  return v.has_staging_base() ? v.staging_base() : v.staging_mount();
+}
+
+state::MountIdentity IdentityOf(const sys::MountFacts& f) {
+  state::MountIdentity id;
+  id.set_dev_major(f.dev_major);
+  id.set_dev_minor(f.dev_minor);
+  id.set_root(f.root);
+  id.set_unique_id(f.mnt_id);
+  return id;
+}
+
+bool IsFuseFsType(const std::string& fs_type) { return fs_type == "fuse" || absl::StartsWith(fs_type, "fuse."); }
+
+bool SameDev(const sys::MountFacts& f, const state::MountIdentity& id) {
+  return f.dev_major == id.dev_major() && f.dev_minor == id.dev_minor();
+}
+
+bool IsMount(const sys::MountFacts& f, const state::MountIdentity& id) {
+  if (f.mnt_id != 0 && id.unique_id() != 0) return f.mnt_id == id.unique_id();
+  return SameDev(f, id) && f.root == id.root();
+}
+
+bool VisibleThroughBase(const sys::MountFacts& top, const state::MountIdentity& base) {
+  if (top.mnt_id == 0 || base.unique_id() == 0) return true;
+  return top.mnt_id == base.unique_id() || top.parent_id == base.unique_id();
+}
+
+absl::StatusOr<std::optional<sys::MountFacts>> TopOfBlocking(const KubeletDir& kubelet, const std::string& path) {
+  auto rel = kubelet.Relative(path, "path");
+  if (!rel.ok()) return rel.status();
+  auto fd = kubelet.OpenPathBlocking(*rel);
+  if (!fd.ok()) {
+    if (fd.status().code() == absl::StatusCode::kNotFound) return std::optional<sys::MountFacts>();
+    return fd.status();
+  }
+  return LookupMountAtBlocking(fd->get(), kubelet.MountTablePath(path));
+}
+
+absl::StatusOr<Stripped> StripToBaseBlocking(const KubeletDir& kubelet, const std::string& path,
+                                             const state::MountIdentity& base,
+                                             const std::optional<state::MountIdentity>& live) {
+  auto rel = kubelet.Relative(path, "path");
+  if (!rel.ok()) return rel.status();
+  auto parent = kubelet.OpenParentBlocking(*rel);
+  if (!parent.ok()) return parent.status();
+  const std::string name(BaseName(*rel));
+  const std::string table_path = kubelet.MountTablePath(path);
+  Stripped out;
+  for (int k = 0; k <= kMaxMountLayers; ++k) {
+    // Looked up afresh each time, with no fd kept open on the mount (it would pin it: EBUSY).
+    auto top = TopOfBlocking(kubelet, path);
+    if (!top.ok()) return top.status();
+    out.top = std::move(*top);
+    if (!out.top.has_value()) return out;
+    if (live.has_value() && SameDev(*out.top, *live)) {
+      out.live = true;
+      return out;
+    }
+    if (IsMount(*out.top, base)) {
+      out.at_base = true;
+      return out;
+    }
+    if (!IsFuseFsType(out.top->fs_type)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "something fusekeeper did not mount (", out.top->fs_type, ") is on top of ", path, "; not touching it"));
+    }
+    if (k == kMaxMountLayers) break;
+    absl::Status s = UnmountAtBlocking(parent->get(), name, table_path);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
+    ++out.removed;
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("more than ", kMaxMountLayers, " FUSE mounts are stacked on ", path, "; not touching them"));
+}
+
+absl::Status UnmountStackBlocking(const KubeletDir& kubelet, const std::string& path,
+                                  const state::MountIdentity& top, const state::MountIdentity& base,
+                                  bool fuse_layers) {
+  auto rel = kubelet.Relative(path, "path");
+  if (!rel.ok()) return rel.status();
+  auto parent = kubelet.OpenParentBlocking(*rel);
+  if (!parent.ok()) return parent.status().code() == absl::StatusCode::kNotFound ? absl::OkStatus() : parent.status();
+  const std::string name(BaseName(*rel));
+  const std::string table_path = kubelet.MountTablePath(path);
+  auto matches = [](const sys::MountFacts& f, const state::MountIdentity& id) {
+    return SameDev(f, id) && f.root == id.root();
+  };
+  bool base_gone = false;
+  for (int i = 0; i < kMaxMountLayers; ++i) {
+    auto facts = TopOfBlocking(kubelet, path);
+    if (!facts.ok()) return facts.status();
+    if (!facts->has_value()) return absl::OkStatus();
+    const sys::MountFacts& f = **facts;
+    const bool is_base = matches(f, base);
+    const bool ours = is_base || matches(f, top) || (fuse_layers && !base_gone && IsFuseFsType(f.fs_type));
+    if (!ours) {
+      if (i == 0) {
+        return absl::FailedPreconditionError(absl::StrCat("something fusekeeper did not mount is mounted at ", path,
+                                                          " (", f.fs_type, "); not unmounting it"));
+      }
+      return absl::OkStatus();
+    }
+    absl::Status s = UnmountAtBlocking(parent->get(), name, table_path);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
+    base_gone = base_gone || is_base;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fusekeeper

@@ -1,0 +1,70 @@
+// A path's mount stack as running containers see it (BlockingPool only, except the pure helpers).
+//
+// Stage and publish make a *base* mount at a path. Running containers hold slave copies of a pod
+// target's base (containerd binds the target rslave at another path, in another mount
+// namespace), and a staged volume's targets are binds of the global mount that receive its
+// propagation. Unmounting a base and mounting a new one in its place never reaches those copies;
+// a mount stacked *on top of* the base does (and so does a later umount of it). So a repair never
+// removes a base: it removes the dead layers above it, then stacks the live connection on it.
+// A path therefore holds the base and at most one repair layer.
+//
+// Umount propagates to the peers of the mount it is made on. Targets are bound as slaves of the
+// global mount (shared again, so containers follow them): removing a target's top layer then
+// reaches only that target and its containers, never the global mount or the other pods.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "agent/paths/kubelet_dir.h"
+#include "agent/sys/syscalls.h"
+#include "proto/state.pb.h"
+
+namespace fusekeeper {
+
+// At most this many layers are looked at (or removed) on one path.
+constexpr int kMaxMountLayers = 16;
+
+// The recorded base of a target / the global mount: `base` when set, else the recorded mount.
+const state::MountIdentity& TargetBase(const state::Target& t);
+const state::MountIdentity& StagingBase(const state::Volume& v);
+
+state::MountIdentity IdentityOf(const sys::MountFacts& f);
+bool IsFuseFsType(const std::string& fs_type);
+// Same superblock (device) as `id`.
+bool SameDev(const sys::MountFacts& f, const state::MountIdentity& id);
+// Exactly the mount `id` recorded: by unique id where both are known, else by device and root.
+bool IsMount(const sys::MountFacts& f, const state::MountIdentity& id);
+// Whether a container that follows `base` reads through `top` (the top mount of the path): it is
+// the base itself, or a mount stacked directly on it. Needs unique ids (statmount); without them
+// it says yes.
+bool VisibleThroughBase(const sys::MountFacts& top, const state::MountIdentity& base);
+
+// What is mounted on top of `path` (nullopt: nothing, or the path itself is gone).
+absl::StatusOr<std::optional<sys::MountFacts>> TopOfBlocking(const KubeletDir& kubelet, const std::string& path);
+
+struct Stripped {
+  std::optional<sys::MountFacts> top;  // the top after stripping
+  bool live = false;                   // the top is on the live connection: nothing to stack
+  bool at_base = false;                // the top is the base: stack the live connection on it
+  int removed = 0;                     // dead layers unmounted
+};
+
+// Unmounts dead layers from the top of `path` until its top is on the live connection (same
+// device as `live`, if given) or is `base`. Only FUSE mounts are removed: anything else on top is left
+// alone and reported (FAILED_PRECONDITION), as is a stack deeper than kMaxMountLayers. Neither
+// live nor base found (the path is not mounted): both flags false.
+absl::StatusOr<Stripped> StripToBaseBlocking(const KubeletDir& kubelet, const std::string& path,
+                                             const state::MountIdentity& base,
+                                             const std::optional<state::MountIdentity>& live);
+
+// Unmounts every layer of ours at `path`, top first: mounts matching `top` or `base` (device and
+// root; a bind of the same source is ours even if a restart lost its unique id) and, while the
+// base is still there, FUSE layers between them (`fuse_layers`). A foreign mount on top is left
+// alone: FAILED_PRECONDITION. Nothing mounted: OK.
+absl::Status UnmountStackBlocking(const KubeletDir& kubelet, const std::string& path,
+                                  const state::MountIdentity& top, const state::MountIdentity& base,
+                                  bool fuse_layers);
+
+}  // namespace fusekeeper
