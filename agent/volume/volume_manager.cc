@@ -167,6 +167,25 @@ absl::StatusOr<VolumeSpec> ParseSpec(const google::protobuf::Map<std::string, st
   return spec;
 }
 
+// A staged FUSE volume is one mount whose server presents every file with the group it was
+// staged with; a pod whose fsGroup differs would get files it may not write, and kubelet (the
+// driver advertises VOLUME_MOUNT_GROUP) does not chown. So such a publish is refused, naming
+// both groups, instead of succeeding silently.
+absl::Status CheckStagedMountGroup(const state::Volume& v, const VolumeCapability& cap) {
+  const std::string& asked = cap.mount().volume_mount_group();
+  if (asked.empty()) return absl::OkStatus();  // no fsGroup: nothing promised
+  auto g = ParseId(asked, "volume_mount_group");
+  if (!g.ok()) return g.status();
+  if (v.fuse().has_mount_group() && v.fuse().mount_group() == *g) return absl::OkStatus();
+  const std::string staged = v.fuse().has_mount_group()
+                                 ? absl::StrCat("fsGroup ", v.fuse().mount_group())
+                                 : absl::StrCat("no fsGroup (files show the server's group ", v.fuse().server_gid(), ")");
+  return absl::FailedPreconditionError(absl::StrCat(
+      "volume ", v.volume_id(), " is staged on this node with ", staged, ", and its FUSE server presents every "
+      "file with that group to every pod; this pod asks for fsGroup ", *g, ". Pods that share a staged FUSE volume "
+      "on a node must use the same fsGroup (or none)"));
+}
+
 // Mount flags a host-path bind honours. Rejected flags are named by position only: they may
 // carry secrets.
 absl::StatusOr<BindOptions> ParseBindOptions(const VolumeCapability& cap, bool readonly) {
@@ -659,6 +678,9 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     spec.type = it->second.host_path_type();
     spec.fuse = it->second.fuse();
     spec.fuse.clear_socket_path();
+    if (spec.kind == kKindFuse) {
+      if (auto s = CheckStagedMountGroup(it->second, req.volume_capability()); !s.ok()) return done(s);
+    }
   } else {
     auto parsed = ParseSpec(req.volume_context(), req.volume_capability());
     if (!parsed.ok()) return done(parsed.status());

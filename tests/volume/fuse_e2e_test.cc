@@ -82,6 +82,39 @@ TEST_F(FuseE2ETest, ReadOnlyAndFsGroup) {
   ASSERT_RPC_OK(Unpublish("ro-1", target));
 }
 
+TEST_F(FuseE2ETest, AStagedVolumePublishedWithADifferentFsGroupIsRefusedNamingBothGroups) {
+  StartAgent();
+  const std::string staging = StagingPath("grp-1");
+  ASSERT_RPC_OK(StageFuse("grp-1", staging, "2000"));
+  Subprocess* server = StartServer(StagedSocket("grp-1"));
+  const std::string a = Pod("pod-a", "grp-1"), b = Pod("pod-b", "grp-1"), c = Pod("pod-c", "grp-1");
+  ASSERT_RPC_OK(PublishStaged("grp-1", staging, a, "a", "pod-a", "2000"));
+  auto st = WithDeadline([&] {
+    struct stat s{};
+    stat((a + "/hello.txt").c_str(), &s);
+    return s;
+  });
+  ASSERT_TRUE(st.has_value()) << server->Stderr() << agent_->Stderr();
+  EXPECT_EQ(st->st_gid, 2000u);
+  grpc::Status other = PublishStaged("grp-1", staging, b, "b", "pod-b", "3000");
+  EXPECT_EQ(other.error_code(), grpc::FAILED_PRECONDITION) << other.error_message();
+  EXPECT_TRUE(absl::StrContains(other.error_message(), "fsGroup 2000")) << other.error_message();
+  EXPECT_TRUE(absl::StrContains(other.error_message(), "fsGroup 3000")) << other.error_message();
+  EXPECT_EQ(MountCountAt(b), 0) << "nothing mounted for the refused pod";
+  ASSERT_RPC_OK(PublishStaged("grp-1", staging, c, "c", "pod-c"));  // no fsGroup: nothing promised
+  ASSERT_RPC_OK(Unpublish("grp-1", a));
+  ASSERT_RPC_OK(Unpublish("grp-1", c));
+  ASSERT_RPC_OK(Unstage("grp-1", staging));
+  // Staged without any group, a pod asking for one is refused too.
+  const std::string staging2 = StagingPath("grp-2");  // (made before the unserved mount is on it)
+  const std::string d = Pod("pod-d", "grp-2");
+  ASSERT_RPC_OK(StageFuse("grp-2", staging2));
+  grpc::Status none = PublishStaged("grp-2", staging2, d, "d", "pod-d", "3000");
+  EXPECT_EQ(none.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_TRUE(absl::StrContains(none.error_message(), "no fsGroup")) << none.error_message();
+  ASSERT_RPC_OK(Unstage("grp-2", staging2));
+}
+
 TEST_F(FuseE2ETest, AVolumeNoServerClaimsIsTornDownAfterTheHandoffTimeout) {
   StartAgent({"--handoff_timeout_ms=300"});
   const std::string target = Pod("pod-lonely", "vol");
