@@ -73,6 +73,9 @@ DEFINE_string(ephemeral_host_path_prefixes, "",
               "those paths)");
 DEFINE_int32(handoff_timeout_ms, 300000,
              "a FUSE volume no server has claimed by then is aborted, unmounted and forgotten");
+DEFINE_int32(redeposit_wait_ms, 1000,
+             "after an agent restart, how long a server connecting to a FUSE volume's socket has to "
+             "re-deposit its live connection before it is given a fresh one");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(audit_period_ms, 60000,
@@ -147,7 +150,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_audit_period_ms < 1 ||
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_audit_period_ms < 1 ||
       FLAGS_kubelet_poll_period_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
                   "--shutdown_grace_ms >= 0";
@@ -192,7 +195,8 @@ int main(int argc, char** argv) {
                                     {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms),
                                      .ephemeral_host_path_prefixes = ephemeral_prefixes,
                                      .socket_dir = FLAGS_state_dir + "/sockets",
-                                     .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms)});
+                                     .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms),
+                                     .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms)});
 
   utsname uts{};
   uname(&uts);

@@ -27,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/version.h"
@@ -57,7 +58,8 @@ void Reply(int sock, bool ok, const std::string& error, bool fresh = false, cons
   if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
 }
 
-int Launch(int sock, UniqueFd fuse_fd, const std::vector<std::string>& program) {
+int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const std::vector<std::string>& program) {
+  const int sock = sock_fd.get();
   if (program.empty()) {
     Reply(sock, false, "launch mode needs a program to run");
     return Fail(2, "launch: no program given (fkserve launch -- <program> [args] /dev/fd/{fd})");
@@ -84,6 +86,8 @@ int Launch(int sock, UniqueFd fuse_fd, const std::vector<std::string>& program) 
   }
   close(p[1]);
   close(inherit);
+  // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
+  UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
   fuse_fd.Reset();
   int exec_errno = 0;
   ssize_t n = read(p[0], &exec_errno, sizeof(exec_errno));
@@ -95,17 +99,22 @@ int Launch(int sock, UniqueFd fuse_fd, const std::vector<std::string>& program) 
     return Fail(127, why);
   }
   Reply(sock, true, "");
-  // The connection stays open while the program serves; its end is reported to the agent.
+  // The connection stays open while the program serves (and is re-deposited with a restarted
+  // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
+  // there is none to re-deposit: its successors get a fresh connection.
+  fusekeeper::AgentLink link(std::move(sock_fd), std::move(keep), "", FLAGS_socket,
+                             static_cast<uid_t>(FLAGS_agent_uid));
+  link.Start();
   int status = 0;
   waitpid(child, &status, 0);
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-    Reply(sock, true, "");
+    link.Report(true, "");
     return 0;
   }
   const std::string why = WIFEXITED(status)
                               ? absl::StrCat(args[0], " exited with status ", WEXITSTATUS(status))
                               : absl::StrCat(args[0], " was killed by signal ", WTERMSIG(status));
-  Reply(sock, false, why);
+  link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
@@ -183,7 +192,7 @@ int main(int argc, char** argv) {
   fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", config->volume_id.c_str(), mode.c_str(),
           config->live ? ", adopting the live connection" : "");
 
-  if (mode == "launch") return Launch(sock.get(), std::move(msg->fd), program);
+  if (mode == "launch") return Launch(std::move(sock), std::move(msg->fd), program);
 
   fusekeeper::PassthroughOptions options;
   options.root = FLAGS_root;
@@ -207,9 +216,13 @@ int main(int argc, char** argv) {
     options.init_request = std::move(*init);
   }
   Reply(sock.get(), true, "", false, config->live ? "" : options.init_request);
-  // The connection stays open while we serve; its end (and why) is reported to the agent.
+  // The connection stays open while we serve (and is re-deposited with a restarted agent); its
+  // end (and why) is reported to the agent.
+  fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(msg->fd.get(), F_DUPFD_CLOEXEC, 3)),
+                             options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
+  link.Start();
   absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
-  Reply(sock.get(), s.ok(), s.ok() ? "" : std::string(s.message()));
+  link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
   if (!s.ok()) return Fail(5, std::string(s.message()));
   return 0;
 }

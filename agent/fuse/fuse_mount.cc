@@ -6,6 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <climits>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "agent/base/status.h"
 
@@ -94,6 +97,25 @@ absl::Status MountFuseBlocking(int fuse_fd, int target_fd, const std::string& ta
     return ErrnoStatus(errno, "move_mount of the FUSE mount onto", target);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<uint32_t>> FuseConnectionOfFd(int fd) {
+  const std::string path = absl::StrCat("/proc/self/fdinfo/", fd);
+  UniqueFd in(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!in) return ErrnoStatus(errno, "open", path);
+  char buf[1024];
+  ssize_t n = read(in.get(), buf, sizeof(buf) - 1);
+  if (n < 0) return ErrnoStatus(errno, "read", path);
+  buf[n] = '\0';
+  constexpr char kKey[] = "\nfuse_connection:";
+  const char* at = strstr(buf, kKey);
+  if (at == nullptr) return std::optional<uint32_t>();
+  char* end = nullptr;
+  const unsigned long v = strtoul(at + sizeof(kKey) - 1, &end, 10);
+  if (end == at + sizeof(kKey) - 1 || v > UINT32_MAX) {
+    return absl::InternalError(absl::StrCat("unreadable fuse_connection line in ", path));
+  }
+  return std::optional<uint32_t>(static_cast<uint32_t>(v));
 }
 
 std::string FuseConnectionDir(uint32_t dev_minor) { return absl::StrCat(kFuseCtl, "/", dev_minor); }

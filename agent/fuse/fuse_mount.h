@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -36,6 +37,11 @@ absl::StatusOr<UniqueFd> OpenFuseDeviceBlocking();
 // names the mount point in messages.
 absl::Status MountFuseBlocking(int fuse_fd, int target_fd, const std::string& target_path,
                                const FuseMountOptions& options);
+
+// Which connection a /dev/fuse fd is on: the `fuse_connection:` line of /proc/self/fdinfo/<fd>
+// (the minor of the mount's device; Linux 6.x). nullopt: the kernel does not say (older kernels,
+// or an fd not yet mounted). Reads procfs only: never waits on a FUSE server.
+absl::StatusOr<std::optional<uint32_t>> FuseConnectionOfFd(int fd);
 
 // The fusectl directory of connection `dev_minor` (a FUSE mount's st_dev minor; major is 0).
 std::string FuseConnectionDir(uint32_t dev_minor);

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "agent/base/status.h"
+#include "agent/fuse/fuse_mount.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -78,6 +80,7 @@ std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd lis
     e->ArmAbortWatch();
   } else {
     e->aborted_ = true;  // no connection to offer (an agent restart lost it): servers wait
+    e->restored_ = true;  // ... unless the serving one re-deposits it
   }
   return e;
 }
@@ -169,6 +172,7 @@ void HandoffEndpoint::OnAccepted(int fd) {
     return SendOffer(c, /*refuse=*/true,
                      absl::StrCat("volume ", config_.volume_id, " is already being served"));
   }
+  if (restored_) return AwaitRedeposit(c);
   if (aborted_) {
     // The kept connection is dead; this server gets the fresh one the owner is making.
     parked_.push_back(TakeConnection(c));
@@ -220,6 +224,7 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
   }
   fuse_fd_ = std::move(fuse_fd);
   aborted_ = false;
+  restored_ = false;
   served_ = false;
   serving_ = false;
   server_gone_ = false;
@@ -319,6 +324,75 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
   // Only fires while the receive is in flight, so the endpoint is alive (kept by keep_alive_).
   c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.reply_timeout),
                             [this, c] { loop_.Cancel(&c->recv); });
+}
+
+void HandoffEndpoint::AwaitRedeposit(Connection* c) {
+  PrepareReceive(c);
+  c->recv.callback = [this, c](int32_t res, bool) {
+    Completed();
+    loop_.CancelTimer(c->timer);
+    std::vector<UniqueFd> fds;
+    bool other_control = false;
+    if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
+    if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+    if (res == -ECANCELED) {
+      if (!restored_) return SendOffer(c, /*refuse=*/false, "");  // a connection arrived meanwhile
+      // Silent: a server that waits for its config (one that serves nothing yet, or a v1 server).
+      parked_.push_back(TakeConnection(c));
+      if (events_.on_fresh_requested) events_.on_fresh_requested();
+      return;
+    }
+    if (res < 0) return Finish(c, ErrnoStatus(-res, "reading from the server"), std::nullopt);
+    if (res == 0) return Finish(c, absl::UnavailableError("the server closed the connection"), std::nullopt);
+    auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
+    if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
+    if (!reply->ok || !reply->redeposit) {
+      return Finish(c, absl::InvalidArgumentError("the server spoke first without re-depositing a connection"),
+                    std::nullopt);
+    }
+    std::string why;
+    if (fds.size() != 1 || other_control) {
+      why = "a re-deposit must carry exactly one fd";
+    } else if (!restored_) {
+      why = absl::StrCat("volume ", config_.volume_id, " already has a connection");
+    } else {
+      why = CheckRedeposited(fds[0].get());
+    }
+    if (!why.empty()) return SendOffer(c, /*refuse=*/true, why);
+    fuse_fd_ = std::move(fds[0]);
+    restored_ = false;
+    aborted_ = false;
+    ++redeposits_;
+    init_record_ = reply->init;
+    LOG(INFO) << "volume " << config_.volume_id << ": server pid " << c->peer_pid
+              << " re-deposited its live FUSE connection";
+    ArmAbortWatch();
+    Finish(c, absl::OkStatus(), *reply);  // the same server goes on serving: not an adoption
+  };
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
+  Arm(sqe, &c->recv);
+  c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.redeposit_wait),
+                            [this, c] { loop_.Cancel(&c->recv); });
+}
+
+std::string HandoffEndpoint::CheckRedeposited(int fd) const {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) != 10 || minor(st.st_rdev) != 229) {
+    return "the re-deposited fd is not /dev/fuse";
+  }
+  if (!options_.expected_connection) return "";
+  auto conn = FuseConnectionOfFd(fd);
+  if (!conn.ok()) return std::string(conn.status().message());
+  if (!conn->has_value()) {
+    return "this kernel does not tell which FUSE connection an fd is on (no fuse_connection in fdinfo), "
+           "so a re-deposited fd cannot be verified";
+  }
+  if (**conn != *options_.expected_connection) {
+    return absl::StrCat("the re-deposited fd is on FUSE connection ", **conn, ", not on this volume's (",
+                        *options_.expected_connection, ")");
+  }
+  return "";
 }
 
 void HandoffEndpoint::PrepareReceive(Connection* c) {

@@ -42,6 +42,11 @@ struct HandoffOptions {
   absl::Duration reply_timeout = absl::Seconds(10);
   // If set, only this uid may receive the fd (root always may).
   std::optional<uid_t> peer_uid;
+  // Started without a connection (the agent restarted): how long a connecting server has to
+  // re-deposit the volume's connection (handoff_protocol.h) before it is taken to be waiting for
+  // a fresh one; and the connection (the mount's device minor) a re-deposited fd must be on.
+  absl::Duration redeposit_wait = absl::Seconds(1);
+  std::optional<uint32_t> expected_connection;
 };
 
 class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
@@ -68,7 +73,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
                                                  uid_t owner_uid, gid_t owner_gid);
 
   // Loop thread. `fuse_fd` is the endpoint's own dup of the connection; invalid: there is none
-  // (the agent restarted): servers that connect are parked and on_fresh_requested fires.
+  // (the agent restarted): a serving server may re-deposit it; other servers that connect are
+  // parked and on_fresh_requested fires.
   static std::shared_ptr<HandoffEndpoint> Start(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd,
                                                 MountConfig config, HandoffOptions options,
                                                 Events events);
@@ -92,6 +98,10 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   int adoptions() const { return adoptions_; }
   // The server that was serving has gone (see Events::on_server_gone).
   bool server_gone() const { return server_gone_; }
+  // Started without a connection and nothing re-deposited or replaced it yet.
+  bool awaiting_redeposit() const { return restored_; }
+  // Connections servers re-deposited after an agent restart.
+  int redeposits() const { return redeposits_; }
   int fuse_fd() const { return fuse_fd_.get(); }
   int connections_handled() const { return connections_; }
 
@@ -110,6 +120,10 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void OnAccepted(int fd);
   void SendOffer(Connection* c, bool refuse, std::string why);
   void AwaitReply(Connection* c);
+  // Without a connection: waits briefly for the server to re-deposit one.
+  void AwaitRedeposit(Connection* c);
+  // Why a re-deposited fd cannot be taken (empty: it can).
+  std::string CheckRedeposited(int fd) const;
   void Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply);
   // Keeps the serving server's connection and waits for it to end.
   void WatchServer(Connection* c);
@@ -143,7 +157,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   bool server_gone_ = false;
   bool serving_ = false;
   bool aborted_ = false;
+  bool restored_ = false;
   int adoptions_ = 0;
+  int redeposits_ = 0;
   int connections_ = 0;
 };
 

@@ -206,6 +206,7 @@ std::string EncodeHandoffReply(const HandoffReply& r) {
   if (!r.error.empty()) absl::StrAppend(&out, ",\"error\":", JsonQuote(r.error));
   if (!r.server.empty()) absl::StrAppend(&out, ",\"server\":", JsonQuote(r.server));
   if (r.fresh) out += ",\"fresh\":true";
+  if (r.redeposit) out += ",\"redeposit\":true";
   if (!r.init.empty()) absl::StrAppend(&out, ",\"init\":\"", EncodeHex(r.init), "\"");
   out += "}";
   return out;
@@ -223,6 +224,9 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   simdjson::dom::element e;
   if (!(*doc)["fresh"].get(e)) {
     if (e.get_bool().get(r.fresh)) return Bad("\"fresh\" is not a boolean");
+  }
+  if (!(*doc)["redeposit"].get(e)) {
+    if (e.get_bool().get(r.redeposit)) return Bad("\"redeposit\" is not a boolean");
   }
   if (!(*doc)["init"].get_string().get(v)) {
     auto raw = DecodeHex(absl::string_view(v.data(), v.size()));

@@ -30,6 +30,22 @@
 // launched program's exit status) and close; a close without a message means the same (e.g. the
 // server was killed). The agent learns from this that the volume has no server any more.
 //
+// Agent restarts (re-deposit). The agent's dup of a connection dies with the agent, so after a
+// restart it holds no fd for volumes that are still served. A serving server that sees its
+// handoff connection close without being told to stop (the agent went away) reconnects to the
+// same socket once the agent listens again, and speaks first: one HandoffReply with
+// "redeposit":true (ok:true, and the connection's "init" if it has it) and a dup of its
+// /dev/fuse fd attached as SCM_RIGHTS. The agent checks that the fd is /dev/fuse and belongs to
+// the volume's mount (/proc/self/fdinfo "fuse_connection", Linux 6.x), keeps it as the kept
+// connection, and treats that connection as the serving one (its close means the server is
+// gone). It answers nothing on success; a refusal (below) means the fd was not accepted, and the
+// server should stop trying. A server that connects to a restarted agent without re-depositing
+// (a v1 server, or one that serves nothing yet) simply waits for its config, as before: after a
+// short wait the agent treats it as asking for a fresh connection.
+//
+//   server → agent  {"version":1,"ok":true,"redeposit":true,"server":"...","init":"<hex>"}
+//                                                                   + SCM_RIGHTS [fuse fd]
+//
 // Instead of a config, the agent may send a refusal, {"version":1,"error":"why"} with no fd (e.g.
 // the volume is already served by another connection); DecodeMountConfig reports it as
 // FAILED_PRECONDITION with the agent's words.
@@ -77,6 +93,7 @@ struct HandoffReply {
   std::string server;  // free-form name/version of the server
   bool fresh = false;  // !ok: the server cannot adopt a live connection and asks for a fresh one
   std::string init;    // ok: the FUSE_INIT request the server read (raw bytes; hex on the wire)
+  bool redeposit = false;  // ok: a serving server hands its connection back to a restarted agent
 };
 
 // Hex codec for the "init" fields; DecodeHex fails on odd length or non-hex characters.

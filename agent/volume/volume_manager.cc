@@ -404,10 +404,17 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
   events.on_connection_aborted = [this, vid] { RepairFuse(vid, "its FUSE connection was aborted"); };
+  HandoffOptions ho;
+  ho.reply_timeout = options_.handoff_reply_timeout;
+  ho.peer_uid = v.fuse().server_uid();
+  ho.redeposit_wait = options_.redeposit_wait;
+  // A server re-depositing the connection after an agent restart must hand back this mount's.
+  ho.expected_connection = path == v.staging_path() ? v.staging_mount().dev_minor() : 0;
+  for (const auto& t : v.targets()) {
+    if (t.path() == path) ho.expected_connection = t.mount().dev_minor();
+  }
   Endpoint e;
-  e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config),
-                                      {.reply_timeout = options_.handoff_reply_timeout,
-                                       .peer_uid = v.fuse().server_uid()},
+  e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config), ho,
                                       std::move(events));
   const std::string id = v.volume_id();
   if (unclaimed_timeout) {
@@ -421,8 +428,9 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
 
 void VolumeManager::ListenAgain() {
   // The FUSE connections of volumes mounted before a restart died with the old agent's fds
-  // only if their servers are gone too; either way a server that connects from now on needs a
-  // fresh one. Each volume gets its handoff socket back, without a connection to offer.
+  // only if their servers are gone too. Each volume gets its handoff socket back, without a
+  // connection to offer: a server still serving it re-deposits its fd there (handoff_protocol.h),
+  // and a server that connects without one is given a fresh connection.
   for (const auto& [id, v] : volumes_) {
     if (v.kind() != "fuse" || v.fuse().socket_path().empty()) continue;
     const std::string path = !v.staging_path().empty() ? v.staging_path()
@@ -877,6 +885,20 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
       resp.mutable_volume_condition()->set_abnormal(true);
       resp.mutable_volume_condition()->set_message(ep->second.gone_reason);
       return done(resp);
+    }
+    if (ep != endpoints_.end() && ep->second.endpoint->awaiting_redeposit()) {
+      // Mounted by an earlier agent and possibly still served: ask the mount itself (under the
+      // stats deadline), and say what is unknown if it does not answer.
+      const std::string socket = v.fuse().socket_path();
+      return Probe(path, mount_path, id,
+                   [socket, done = std::move(done)](absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> r) mutable {
+                     if (r.ok() && r->volume_condition().abnormal()) {
+                       r->mutable_volume_condition()->set_message(absl::StrCat(
+                           r->volume_condition().message(), " (the agent restarted, and no FUSE server has "
+                           "re-deposited this volume's connection on ", socket, " since)"));
+                     }
+                     done(std::move(r));
+                   });
     }
     if (ep != endpoints_.end() && !ep->second.endpoint->served()) {
       csi::v1::NodeGetVolumeStatsResponse resp;

@@ -62,6 +62,9 @@ struct VolumeManagerOptions {
   absl::Duration handoff_timeout = absl::Minutes(5);
   // How long a connected server has to answer the handoff.
   absl::Duration handoff_reply_timeout = absl::Seconds(10);
+  // After an agent restart: how long a connecting server has to re-deposit the volume's live
+  // connection before it is taken to want a fresh one (HandoffOptions::redeposit_wait).
+  absl::Duration redeposit_wait = absl::Seconds(1);
   // Threads for file-system probes (statfs), which can hang on an unresponsive FUSE server; kept
   // apart from the mount work's pool so that mount RPCs never wait behind them. The pool grows
   // when every probe thread is stuck (at most one probe per mount is outstanding, so a hung

@@ -356,6 +356,8 @@ VolumeManager::Counts VolumeManager::counts() const {
         state = "unwatched";
       } else if (ep->second.endpoint->serving()) {
         state = "serving";
+      } else if (ep->second.endpoint->awaiting_redeposit()) {
+        state = "awaiting_redeposit";  // mounted before an agent restart; its server has not re-deposited
       } else if (ep->second.endpoint->served()) {
         state = "server_gone";
       } else {

@@ -309,6 +309,75 @@ TEST_F(RecoveryE2ETest, GlobalPathRemountedBySomeoneElseReachesEveryPodView) {
   EndOtherServer(std::move(server));
 }
 
+TEST_F(RecoveryE2ETest, AgentRestartKeepsServedVolumesHealthyAndAdoptable) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("restart-1");
+  Subprocess* staged_server = StartServer(socket_);
+  const std::string ti = Pod("pod-i", "restart-2");
+  ASSERT_RPC_OK(PublishInline("restart-2", "pod-i", ti));
+  Subprocess* inline_server = StartServer(PodSocket("pod-i"));
+  const std::string want = "hello from the export\n";
+  auto p1 = PodReader(t1, "hello.txt");
+  auto pi = PodReader(ti, "hello.txt");
+  ASSERT_TRUE(p1->WaitForReadsOf(want)) << p1->setup_error() << staged_server->Stderr();
+  ASSERT_TRUE(pi->WaitForReadsOf(want)) << inline_server->Stderr();
+  // A DaemonSet rollout, the hard way.
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  StartAgent({"--metrics_address=127.0.0.1:0"});
+  // Both servers notice and hand their connections back to the new agent.
+  ASSERT_TRUE(WaitForAgentLog("re-deposited its live FUSE connection", 2))
+      << agent_->Stderr() << staged_server->Stderr() << inline_server->Stderr();
+  for (const auto& [id, path] : {std::pair<std::string, std::string>{"restart-1", t1}, {"restart-2", ti}}) {
+    NodeGetVolumeStatsResponse stats = Stats(id, path);
+    EXPECT_FALSE(stats.volume_condition().abnormal()) << id << ": " << stats.volume_condition().message();
+  }
+  const std::string log = agent_->Stderr();
+  const size_t at = log.find("(port ");
+  ASSERT_NE(at, std::string::npos);
+  const std::string metrics = HttpGet(std::stoi(log.substr(at + 6)), "/metrics");
+  EXPECT_TRUE(absl::StrContains(metrics, "fusekeeper_volumes{kind=\"fuse\",state=\"serving\"} 2")) << metrics;
+  // The next crash of each server is adopted in place: not one read fails in either pod.
+  for (Subprocess* dying : {staged_server, inline_server}) {
+    dying->Signal(SIGKILL);
+    ASSERT_TRUE(dying->Wait(std::chrono::milliseconds(20000)).has_value());
+  }
+  StartServer(socket_);
+  StartServer(PodSocket("pod-i"));
+  ASSERT_TRUE(p1->WaitForReadsOf(want)) << agent_->Stderr();
+  ASSERT_TRUE(pi->WaitForReadsOf(want)) << agent_->Stderr();
+  ASSERT_TRUE(WaitForAgentLog("FuseServerRestarted", 2)) << agent_->Stderr();
+  p1->Stop();
+  pi->Stop();
+  EXPECT_EQ(p1->errors() + pi->errors(), 0) << "kept connections survived the agent restart";
+  EXPECT_EQ(AgentLogCount("mounting a fresh connection"), 0) << agent_->Stderr();
+  EXPECT_EQ(MountCountAt(t1), 1);
+  EXPECT_EQ(MountCountAt(ti), 1);
+}
+
+TEST_F(RecoveryE2ETest, AgentRestartWithAServerThatCannotRedepositSaysSoAndStillRecovers) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("restart-3");
+  { std::ofstream(export_ + "/hello") << "first\n"; }
+  // Its server dies while the agent is down: nothing is left to re-deposit the connection,
+  // which died with its last fd.
+  Subprocess* first = StartServer(socket_);
+  auto p1 = PodReader(t1, "hello");
+  ASSERT_TRUE(p1->WaitForReadsOf("first\n")) << p1->setup_error() << first->Stderr();
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  StartAgent();
+  // Stats say what is known.
+  NodeGetVolumeStatsResponse stats = Stats("restart-3", t1);
+  EXPECT_TRUE(stats.volume_condition().abnormal());
+  EXPECT_TRUE(absl::StrContains(stats.volume_condition().message(), "re-deposited")) << stats.volume_condition().message();
+  // The next server waits for its config, is given a fresh connection, and the pod sees it.
+  StartLaunchedHello("second\n");
+  ASSERT_TRUE(p1->WaitForReadsOf("second\n")) << agent_->Stderr();
+}
+
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();

@@ -1,0 +1,117 @@
+#include "agent/fkserve/agent_link.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/version.h"
+
+namespace fusekeeper {
+namespace {
+
+constexpr int kWatchPollMs = 200;
+
+HandoffReply Named(HandoffReply r) {
+  r.server = absl::StrCat("fkserve ", kVersion);
+  return r;
+}
+
+}  // namespace
+
+AgentLink::AgentLink(UniqueFd sock, UniqueFd fuse_dup, std::string init, std::string socket_path, uid_t agent_uid)
+    : init_(std::move(init)),
+      socket_path_(std::move(socket_path)),
+      agent_uid_(agent_uid),
+      fuse_dup_(std::move(fuse_dup)),
+      sock_(std::move(sock)) {}
+
+AgentLink::~AgentLink() {
+  stopping_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void AgentLink::Start() { thread_ = std::thread([this] { Run(); }); }
+
+void AgentLink::Report(bool ok, const std::string& error) {
+  stopping_ = true;
+  if (thread_.joinable()) thread_.join();
+  HandoffReply r;
+  r.ok = ok;
+  r.error = error;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sock_) return;
+  auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
+  if (!s.ok()) fprintf(stderr, "fkserve: reporting to the agent: %s\n", std::string(s.message()).c_str());
+}
+
+void AgentLink::Run() {
+  while (!stopping_) {
+    int fd;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fd = sock_.get();
+    }
+    if (fd < 0) return;
+    pollfd p{fd, POLLIN | POLLRDHUP, 0};
+    if (poll(&p, 1, kWatchPollMs) <= 0) continue;
+    char buf[kMaxHandoffMessageBytes];
+    const ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n > 0) {
+      // The agent does not speak on a serving connection except to refuse a re-deposit.
+      fprintf(stderr, "fkserve: the agent did not take the re-deposited connection: %.*s\n",
+              static_cast<int>(n), buf);
+      return;
+    }
+    fprintf(stderr, "fkserve: the agent closed the handoff connection; re-depositing the FUSE connection "
+                    "when it listens again\n");
+    UniqueFd next = Redeposit();
+    std::lock_guard<std::mutex> lock(mu_);
+    sock_ = std::move(next);
+  }
+}
+
+UniqueFd AgentLink::Redeposit() {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path_.size() >= sizeof(addr.sun_path)) return UniqueFd();
+  memcpy(addr.sun_path, socket_path_.data(), socket_path_.size());
+  auto delay = std::chrono::milliseconds(20);
+  while (!stopping_) {
+    UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      ucred cred{};
+      socklen_t len = sizeof(cred);
+      if (getsockopt(s.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+          cred.uid != agent_uid_) {
+        fprintf(stderr, "fkserve: the peer on %s is not the agent (uid %u); not re-depositing\n",
+                socket_path_.c_str(), cred.uid);
+        return UniqueFd();
+      }
+      HandoffReply r;
+      r.ok = true;
+      r.redeposit = true;
+      r.init = init_;
+      auto sent = SendHandoffMessage(s.get(), EncodeHandoffReply(Named(r)), fuse_dup_.get());
+      if (sent.ok()) {
+        fprintf(stderr, "fkserve: re-deposited the FUSE connection with the agent\n");
+        return s;
+      }
+    }
+    // The agent is not listening yet (ENOENT, ECONNREFUSED): it is restarting.
+    std::this_thread::sleep_for(delay);
+    delay = std::min(delay * 2, std::chrono::milliseconds(1000));
+  }
+  return UniqueFd();
+}
+
+}  // namespace fusekeeper

@@ -1,0 +1,47 @@
+// AgentLink: a serving FUSE server's side of the handoff connection, after the handoff.
+//
+// The connection stays open while the server serves (handoff_protocol.h): its end tells the agent
+// that the server stopped. The reverse matters too: when the *agent* goes away (a DaemonSet
+// rollout, kill -9), its dup of the FUSE connection dies with it, and the restarted agent could
+// only give the next server a fresh connection, which running containers then have to be
+// repaired onto. So the link watches the connection on a thread of its own; when the agent's
+// end closes without a word, it reconnects to the socket once the agent listens again and
+// re-deposits a dup of the connection with its FUSE_INIT record. A refusal ends the attempts.
+#pragma once
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "agent/base/unique_fd.h"
+
+namespace fusekeeper {
+
+class AgentLink {
+ public:
+  // `sock`: the handoff connection the volume was received on; `fuse_dup`: a dup of the
+  // connection's /dev/fuse fd; `init`: its FUSE_INIT request ("" if this server never saw it);
+  // `socket_path`/`agent_uid`: where and whom to reconnect to.
+  AgentLink(UniqueFd sock, UniqueFd fuse_dup, std::string init, std::string socket_path, uid_t agent_uid);
+  ~AgentLink();
+  // Starts watching (a thread).
+  void Start();
+  // Sends the final HandoffReply on the current connection and stops watching. Any thread.
+  void Report(bool ok, const std::string& error);
+
+ private:
+  void Run();
+  // Blocking: connects and re-deposits; returns the new connection, or an invalid fd if it gave up.
+  UniqueFd Redeposit();
+
+  const std::string init_, socket_path_;
+  const uid_t agent_uid_;
+  UniqueFd fuse_dup_;
+  std::mutex mu_;
+  UniqueFd sock_;  // guarded by mu_
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace fusekeeper
