@@ -76,6 +76,9 @@ DEFINE_int32(handoff_timeout_ms, 300000,
 DEFINE_int32(redeposit_wait_ms, 1000,
              "after an agent restart, how long a server connecting to a FUSE volume's socket has to "
              "re-deposit its live connection before it is given a fresh one");
+DEFINE_int32(server_gone_grace_ms, 2000,
+             "a FUSE server that stops is reported as a Warning only if its volume is not unpublished "
+             "within this grace (kubelet stops a deleted pod's server sidecar just before unpublishing)");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(audit_period_ms, 60000,
@@ -150,7 +153,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_audit_period_ms < 1 ||
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_server_gone_grace_ms < 0 || FLAGS_audit_period_ms < 1 ||
       FLAGS_kubelet_poll_period_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
                   "--shutdown_grace_ms >= 0";
@@ -196,7 +199,8 @@ int main(int argc, char** argv) {
                                      .ephemeral_host_path_prefixes = ephemeral_prefixes,
                                      .socket_dir = FLAGS_state_dir + "/sockets",
                                      .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms),
-                                     .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms)});
+                                     .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms),
+                                     .server_gone_grace = absl::Milliseconds(FLAGS_server_gone_grace_ms)});
 
   utsname uts{};
   uname(&uts);

@@ -157,7 +157,9 @@ std::string EventRecorder::EventJson(const Work& w) const {
       "\"namespace\":", JsonQuote(w.pod.namespace_), ",\"name\":", JsonQuote(w.pod.name), ",\"uid\":", JsonQuote(w.pod.uid),
       "},\"reason\":", JsonQuote(w.reason), ",\"message\":", JsonQuote(w.message), ",\"type\":", JsonQuote(w.type),
       ",\"source\":{\"component\":", JsonQuote(options_.component), ",\"host\":", JsonQuote(options_.host),
-      "},\"firstTimestamp\":\"", Rfc3339(w.first), "\",\"lastTimestamp\":\"", Rfc3339(w.last), "\",\"count\":",
+      // As client-go's recorder fills them (ReportingController / ReportingInstance).
+      "},\"reportingComponent\":", JsonQuote(options_.component), ",\"reportingInstance\":", JsonQuote(options_.host),
+      ",\"firstTimestamp\":\"", Rfc3339(w.first), "\",\"lastTimestamp\":\"", Rfc3339(w.last), "\",\"count\":",
       std::max(w.count, 1), "}");
 }
 

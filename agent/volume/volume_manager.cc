@@ -414,6 +414,7 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
     if (t.path() == path) ho.expected_connection = t.mount().dev_minor();
   }
   Endpoint e;
+  e.serial = ++endpoint_serial_;
   e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config), ho,
                                       std::move(events));
   const std::string id = v.volume_id();
@@ -458,6 +459,10 @@ void VolumeManager::StopEndpoint(const std::string& volume_id, const std::string
   auto it = endpoints_.find(EndpointKey(volume_id, path));
   if (it == endpoints_.end()) return;
   loop_.CancelTimer(it->second.timeout);
+  if (it->second.gone_pending > 0) {
+    LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped as the volume was unpublished at " << path
+              << " (a pod going away): no Warning";
+  }
   it->second.endpoint->Stop();
   endpoints_.erase(it);
 }

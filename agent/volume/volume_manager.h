@@ -65,6 +65,10 @@ struct VolumeManagerOptions {
   // After an agent restart: how long a connecting server has to re-deposit the volume's live
   // connection before it is taken to want a fresh one (HandoffOptions::redeposit_wait).
   absl::Duration redeposit_wait = absl::Seconds(1);
+  // A FUSE server that stops is reported (Warning FuseServerNotConnected) only if its volume is
+  // not unpublished within this grace: kubelet stops a deleted pod's sidecar just before it
+  // unpublishes, and that is no failure.
+  absl::Duration server_gone_grace = absl::Seconds(2);
   // Threads for file-system probes (statfs), which can hang on an unresponsive FUSE server; kept
   // apart from the mount work's pool so that mount RPCs never wait behind them. The pool grows
   // when every probe thread is stuck (at most one probe per mount is outstanding, so a hung
@@ -177,12 +181,15 @@ class VolumeManager {
   struct Endpoint {
     std::shared_ptr<HandoffEndpoint> endpoint;
     TimerId timeout = 0;
+    uint64_t serial = 0;     // tells this endpoint from a later one for the same path
+    int gone_pending = 0;    // server-gone Warnings waiting out server_gone_grace
     std::string gone_reason;  // why its server stopped serving, once it has
     int adoptions_seen = 0;
     absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
     std::string recovering_how;
   };
   std::map<std::string, Endpoint> endpoints_;
+  uint64_t endpoint_serial_ = 0;
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;
   // Mount paths with a statfs still outstanding (possibly hung): never more than one each.

@@ -48,11 +48,21 @@ void VolumeManager::OnServerGone(const std::string& volume_id, const std::string
     ep->second.recovering_since = absl::Now();
     ep->second.recovering_how = "server restart";
   }
-  auto v = volumes_.find(volume_id);
-  if (v == volumes_.end()) return;
-  EventForVolume(v->second, "Warning", "FuseServerNotConnected",
-                 absl::StrCat("the FUSE server of volume ", volume_id, " stopped (", why.message(),
-                              "); the mount is kept open and waits for the server to come back"));
+  // Kubelet stops a pod's containers, its server sidecar too, just before it unpublishes the
+  // pod's volumes: a server that stops then is a pod going away, not a failure. So the Warning
+  // waits for a short grace, and is dropped if the endpoint is stopped (unpublished) meanwhile.
+  ++ep->second.gone_pending;
+  const uint64_t serial = ep->second.serial;
+  const std::string message = absl::StrCat("the FUSE server of volume ", volume_id, " stopped (", why.message(),
+                                           "); the mount is kept open and waits for the server to come back");
+  loop_.AddTimer(
+      absl::ToChronoNanoseconds(options_.server_gone_grace), [this, volume_id, path, message, serial] {
+        auto ep = endpoints_.find(EndpointKey(volume_id, path));
+        if (ep == endpoints_.end() || ep->second.serial != serial) return;  // unpublished meanwhile
+        --ep->second.gone_pending;
+        auto v = volumes_.find(volume_id);
+        if (v != volumes_.end()) EventForVolume(v->second, "Warning", "FuseServerNotConnected", message);
+      });
 }
 
 void VolumeManager::OnServed(const std::string& volume_id, const std::string& path, bool adopted) {

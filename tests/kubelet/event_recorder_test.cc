@@ -87,6 +87,7 @@ TEST_F(EventRecorderTest, PostsAnEventAboutThePodOverVerifiedTlsWithTheToken) {
   EXPECT_TRUE(absl::StrContains(line, "Bearer secret-token")) << line;
   for (const char* want : {"\\\"reason\\\":\\\"MountRecovered\\\"", "\\\"kind\\\":\\\"Pod\\\"", "\\\"name\\\":\\\"app-1\\\"",
                            "\\\"uid\\\":\\\"uid-app-1\\\"", "\\\"component\\\":\\\"fusekeeper\\\"", "\\\"host\\\":\\\"node-1\\\"",
+                           "\\\"reportingComponent\\\":\\\"fusekeeper\\\"", "\\\"reportingInstance\\\":\\\"node-1\\\"",
                            "\\\"type\\\":\\\"Warning\\\"", "\\\"count\\\":1", "firstTimestamp"}) {
     EXPECT_TRUE(absl::StrContains(line, want)) << want << " in " << line;
   }

@@ -378,6 +378,30 @@ TEST_F(RecoveryE2ETest, AgentRestartWithAServerThatCannotRedepositSaysSoAndStill
   ASSERT_TRUE(p1->WaitForReadsOf("second\n")) << agent_->Stderr();
 }
 
+TEST_F(RecoveryE2ETest, ASidecarStoppedForPodDeletionIsNoWarningButACrashIs) {
+  StartAgent({"--server_gone_grace_ms=3000"});
+  // Pod deletion as kubelet does it: the server sidecar is stopped, then the volume unpublished.
+  const std::string gone = Pod("pod-gone", "grace-1");
+  ASSERT_RPC_OK(PublishInline("grace-1", "pod-gone", gone));
+  Subprocess* sidecar = StartServer(PodSocket("pod-gone"));
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(gone + "/hello.txt"); }).has_value());
+  sidecar->Signal(SIGTERM);
+  ASSERT_TRUE(sidecar->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(WaitForAgentLog("volume grace-1: the FUSE server closed its connection")) << agent_->Stderr();
+  ASSERT_RPC_OK(Unpublish("grace-1", gone));
+  ASSERT_TRUE(WaitForAgentLog("(a pod going away): no Warning")) << agent_->Stderr();
+  // A server that really dies is still a Warning, once the grace has passed.
+  const std::string live = Pod("pod-live", "grace-2");
+  ASSERT_RPC_OK(PublishInline("grace-2", "pod-live", live));
+  Subprocess* crashing = StartServer(PodSocket("pod-live"));
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(live + "/hello.txt"); }).has_value());
+  crashing->Signal(SIGKILL);
+  ASSERT_TRUE(WaitForAgentLog("FuseServerNotConnected: the FUSE server of volume grace-2 stopped")) << agent_->Stderr();
+  EXPECT_EQ(AgentLogCount("the FUSE server of volume grace-1 stopped"), 0) << agent_->Stderr();
+  StartServer(PodSocket("pod-live"));
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(live + "/hello.txt"); }).has_value());
+}
+
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();
