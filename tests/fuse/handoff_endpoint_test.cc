@@ -50,11 +50,12 @@ class HandoffEndpointTest : public ::testing::Test {
     lt_.StopAndJoin();
   }
   // Starts an endpoint at dir_/sock; events arrive in the promises below.
-  void StartEndpoint(HandoffOptions options = {}) {
+  // `with_connection` false: as after an agent restart, the endpoint holds no connection.
+  void StartEndpoint(HandoffOptions options = {}, bool with_connection = true) {
     lt_.RunOnLoop([&] {
       auto listen = HandoffEndpoint::ListenBlocking(dir_fd_.get(), "sock", getuid(), getgid());
       ASSERT_TRUE(listen.ok()) << listen.status();
-      UniqueFd dup_fd(fcntl(fake_fuse_.get(), F_DUPFD_CLOEXEC, 0));
+      UniqueFd dup_fd(with_connection ? fcntl(fake_fuse_.get(), F_DUPFD_CLOEXEC, 0) : -1);
       HandoffEndpoint::Events events;
       events.on_served = [this](const HandoffReply& r, pid_t pid) {
         served_.push_back({r.server, pid});
@@ -311,6 +312,41 @@ TEST_F(HandoffEndpointTest, StopWithAConnectionInFlightReleasesEverything) {
   signal(SIGPIPE, SIG_IGN);  // see EPIPE instead of dying of it
   EXPECT_EQ(write(pipe_w_.get(), &c, 1), -1);
   EXPECT_EQ(errno, EPIPE);
+}
+
+// After an agent restart a serving server re-deposits its connection; the endpoint takes only
+// this volume's /dev/fuse connection.
+TEST_F(HandoffEndpointTest, ARedepositedFdThatIsNotTheVolumesConnectionIsRefused) {
+  if (access("/dev/fuse", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/fuse";
+  StartEndpoint({.redeposit_wait = absl::Seconds(10), .expected_connection = 4242}, /*with_connection=*/false);
+  HandoffReply redeposit{.ok = true, .server = "test-server", .redeposit = true};
+  {  // not /dev/fuse at all
+    auto err = NextError();
+    UniqueFd s = Connect(SockPath());
+    ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply(redeposit), pipe_w_.get()).ok());
+    auto m = ReceiveHandoffMessage(s.get());
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_FALSE(m->fd.valid());
+    EXPECT_NE(m->payload.find("not /dev/fuse"), std::string::npos) << m->payload;
+    ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+  }
+  {  // /dev/fuse, but not on this volume's connection (not mounted anywhere)
+    UniqueFd fuse(open("/dev/fuse", O_RDWR | O_CLOEXEC));
+    ASSERT_TRUE(fuse.valid());
+    auto err = NextError();
+    UniqueFd s = Connect(SockPath());
+    ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply(redeposit), fuse.get()).ok());
+    auto m = ReceiveHandoffMessage(s.get());
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_FALSE(m->fd.valid());
+    EXPECT_EQ(DecodeMountConfig(m->payload).status().code(), absl::StatusCode::kFailedPrecondition);
+    ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
+  }
+  lt_.RunOnLoop([&] {
+    EXPECT_TRUE(endpoint_->awaiting_redeposit()) << "nothing was taken";
+    EXPECT_FALSE(endpoint_->served());
+    EXPECT_EQ(endpoint_->redeposits(), 0);
+  });
 }
 
 }  // namespace
