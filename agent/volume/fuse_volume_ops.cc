@@ -75,6 +75,18 @@ FuseMountOptions MountOptionsFor(const state::Volume& v, bool read_only_target) 
   return mo;
 }
 
+// Aborts the connections of a path's top layer and its base (one, if they are the same).
+void AbortConnectionsBlocking(const std::string& path, const state::MountIdentity& top,
+                              const state::MountIdentity& base) {
+  for (const uint32_t minor : {top.dev_minor(), base.dev_minor()}) {
+    absl::Status aborted = AbortFuseConnectionBlocking(minor);
+    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
+      LOG(WARNING) << "aborting FUSE connection " << minor << " of " << path << ": " << aborted;
+    }
+    if (base.dev_minor() == top.dev_minor()) break;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx, state::Volume v,
@@ -168,25 +180,11 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
     if (dir.ok()) unlinkat(dir->get(), Name(v.fuse().socket_path()).c_str(), 0);
   }
   // Abort next: a dead or hung server then cannot keep the unmount (or anyone) waiting.
-  for (const state::MountIdentity* c : {&id, &base}) {
-    if (c == &base && base.dev_minor() == id.dev_minor()) break;
-    absl::Status aborted = AbortFuseConnectionBlocking(c->dev_minor());
-    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
-      LOG(WARNING) << "aborting FUSE connection " << c->dev_minor() << " of " << path << ": " << aborted;
-    }
-  }
+  AbortConnectionsBlocking(path, id, base);
   // Every layer: the live one a repair stacked and the base under it.
   absl::Status s = UnmountStackBlocking(*ctx.kubelet, path, id, base, /*fuse_layers=*/true);
   if (!s.ok() && s.code() != absl::StatusCode::kFailedPrecondition) return s;
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::optional<state::MountIdentity>> TopMountBlocking(const VolumeOpsContext& ctx,
-                                                                    const std::string& path) {
-  auto facts = TopOfBlocking(*ctx.kubelet, path);
-  if (!facts.ok()) return facts.status();
-  if (!facts->has_value()) return std::optional<state::MountIdentity>();
-  return std::optional<state::MountIdentity>(IdentityOf(**facts));
 }
 
 absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {
@@ -210,13 +208,7 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   FuseRemounted out;
   // Our old connections first: aborted, so that nothing (no pod, no thread of ours) keeps waiting
   // on them. The base stays mounted: running containers hold copies of it.
-  for (const state::MountIdentity* id : {&old, static_cast<const state::MountIdentity*>(&base)}) {
-    if (id == &base && base.dev_minor() == old.dev_minor()) break;
-    absl::Status aborted = AbortFuseConnectionBlocking(id->dev_minor());
-    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
-      LOG(WARNING) << "aborting an old FUSE connection of " << path << ": " << aborted;
-    }
-  }
+  AbortConnectionsBlocking(path, old, base);
   // Dead layers above the base go (their umount propagates into the containers' copies too).
   auto stripped = StripToBaseBlocking(*ctx.kubelet, path, base, std::nullopt);
   if (!stripped.ok()) return stripped.status();

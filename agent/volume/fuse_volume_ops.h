@@ -68,8 +68,4 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
 // The volume's handoff socket, made again (an agent restarted without its endpoints).
 absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& volume);
 
-// The identity of whatever is mounted on top of `path` now (nullopt: nothing).
-absl::StatusOr<std::optional<state::MountIdentity>> TopMountBlocking(const VolumeOpsContext& ctx,
-                                                                    const std::string& path);
-
 }  // namespace fusekeeper
