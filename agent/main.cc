@@ -30,6 +30,7 @@
 #include "agent/kubelet/event_recorder.h"
 #include "agent/kubelet/http_client.h"
 #include "agent/kubelet/kubelet_poller.h"
+#include "agent/kubelet/propagation_watch.h"
 #include "agent/metrics/http_server.h"
 #include "agent/metrics/metrics.h"
 #include "agent/paths/host_path.h"
@@ -106,6 +107,8 @@ void DefineMetrics(fusekeeper::Metrics& m) {
            fusekeeper::Metrics::LatencyBuckets());
   m.Define("fusekeeper_volumes", T::kGauge, "volumes by kind and state");
   m.Define("fusekeeper_handoffs_waiting", T::kGauge, "FUSE volumes whose server has not connected yet");
+  m.Define("fusekeeper_pods_unreachable_by_recovery", T::kGauge,
+           "pods mounting one of our volumes in a container without mountPropagation HostToContainer");
   m.Define("fusekeeper_repairs_in_progress", T::kGauge, "volumes being repaired right now");
   m.Define("fusekeeper_recoveries_total", T::kCounter, "finished recoveries by how and outcome");
   m.Define("fusekeeper_recovery_duration_seconds", T::kHistogram,
@@ -241,12 +244,14 @@ int main(int argc, char** argv) {
   // Events go to the API server when running in a cluster; elsewhere they are only logged.
   std::unique_ptr<fusekeeper::HttpClient> http_client;
   std::unique_ptr<fusekeeper::EventRecorder> events;
+  std::optional<fusekeeper::KubeApiConfig> api_config;
   if (auto http_or = fusekeeper::HttpClient::Create(*loop); http_or.ok()) {
     http_client = std::move(*http_or);
   } else {
     LOG(WARNING) << http_or.status();
   }
   if (auto api = fusekeeper::InClusterConfig(FLAGS_kube_secrets_dir); api.ok() && http_client) {
+    api_config = *api;
     fusekeeper::EventRecorderOptions eo;
     eo.host = node_id;
     events = std::make_unique<fusekeeper::EventRecorder>(*loop, *http_client, pool, *api, eo);
@@ -268,13 +273,18 @@ int main(int argc, char** argv) {
     metrics.Add("fusekeeper_recoveries_total", labels);
     metrics.Observe("fusekeeper_recovery_duration_seconds", labels, absl::ToDoubleSeconds(latency));
   };
-  hooks.on_event = [&metrics, &events](const fusekeeper::PodRef& pod, const std::string& type,
-                                       const std::string& reason, const std::string& message) {
+  auto post_event = [&metrics, &events](const fusekeeper::PodRef& pod, const std::string& type,
+                                        const std::string& reason, const std::string& message) {
     metrics.Add("fusekeeper_events_total", fusekeeper::Metrics::Label("reason", reason));
     if (events) events->Record({pod.namespace_, pod.name, pod.uid}, type, reason, message);
   };
+  hooks.on_event = post_event;
   volumes.set_recovery_hooks(std::move(hooks));
   std::unique_ptr<fusekeeper::KubeletPoller> kubelet_poller;
+  std::unique_ptr<fusekeeper::PropagationWatch> propagation_watch;
+  metrics.AddCollector([&propagation_watch](fusekeeper::Metrics& m) {
+    m.Set("fusekeeper_pods_unreachable_by_recovery", "", propagation_watch ? propagation_watch->unreachable_pods() : 0);
+  });
   if (!FLAGS_kubelet_url.empty() && http_client) {
     fusekeeper::KubeletPollerOptions ko;
     ko.url = FLAGS_kubelet_url;
@@ -288,6 +298,17 @@ int main(int argc, char** argv) {
           volumes.ServerContainerRestarted({r.pod_namespace, r.pod_name, r.pod_uid}, r.container);
         },
         [&metrics](const std::string&) { metrics.Add("fusekeeper_kubelet_poll_errors_total", ""); });
+    // Pods that mount our volumes without propagation from the host: recovery cannot reach them.
+    propagation_watch = std::make_unique<fusekeeper::PropagationWatch>(
+        *loop, http_client.get(), pool, api_config, FLAGS_driver_name,
+        [&volumes] { return volumes.PublishedVolumeDirsByPod(); },
+        [post_event](const std::string& ns, const std::string& name, const std::string& uid,
+                     const std::string& message) {
+          LOG(WARNING) << "pod " << ns << "/" << name << ": RecoveryCannotReachContainer: " << message;
+          post_event({ns, name, uid}, "Warning", "RecoveryCannotReachContainer", message);
+        });
+    kubelet_poller->set_on_pods(
+        [&](const std::vector<fusekeeper::PodStatus>& pods) { propagation_watch->OnPods(pods); });
     loop->Post([&] { kubelet_poller->Start(); });
     LOG(INFO) << "polling the kubelet at " << FLAGS_kubelet_url << " every " << FLAGS_kubelet_poll_period_ms << " ms";
   }

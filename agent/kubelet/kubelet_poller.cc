@@ -46,6 +46,7 @@ void KubeletPoller::Send() {
     } else {
       backoff_ = absl::ZeroDuration();
       for (const ContainerRestart& c : detector_.Update(*pods)) on_restart_(c);
+      if (on_pods_) on_pods_(*pods);
       return Schedule(options_.period);
     }
     ++errors_;

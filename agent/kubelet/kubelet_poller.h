@@ -33,6 +33,8 @@ class KubeletPoller {
   using OnError = std::function<void(const std::string& why)>;
   KubeletPoller(Loop& loop, HttpClient& http, BlockingPool& pool, KubeletPollerOptions options,
                 OnRestart on_restart, OnError on_error = nullptr);
+  // Loop thread. Every PodList read also goes to `on_pods` (set before Start).
+  void set_on_pods(std::function<void(const std::vector<PodStatus>&)> on_pods) { on_pods_ = std::move(on_pods); }
   // Loop thread.
   void Start();
   int64_t polls() const { return polls_; }
@@ -49,6 +51,7 @@ class KubeletPoller {
   TokenFile token_;
   OnRestart on_restart_;
   OnError on_error_;
+  std::function<void(const std::vector<PodStatus>&)> on_pods_;
   RestartDetector detector_;
   absl::Duration backoff_ = absl::ZeroDuration();
   int64_t polls_ = 0, errors_ = 0;

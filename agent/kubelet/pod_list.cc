@@ -41,6 +41,40 @@ absl::Status ReadContainers(simdjson::dom::element status, const char* key, bool
   return absl::OkStatus();
 }
 
+absl::Status ReadSpec(simdjson::dom::element spec, PodStatus* pod) {
+  simdjson::dom::element list;
+  if (!spec["volumes"].get(list) && !list.is_null()) {
+    simdjson::dom::array arr;
+    if (list.get_array().get(arr)) return Bad("spec.volumes is not an array");
+    for (simdjson::dom::element v : arr) {
+      if (!v.is_object()) return Bad("spec.volumes holds a non-object");
+      PodVolume pv;
+      pv.name = Str(v, "name");
+      simdjson::dom::element sub;
+      if (!v["csi"].get(sub) && sub.is_object()) pv.csi_driver = Str(sub, "driver");
+      if (!v["persistentVolumeClaim"].get(sub) && sub.is_object()) pv.claim_name = Str(sub, "claimName");
+      pod->volumes.push_back(std::move(pv));
+    }
+  }
+  for (const char* key : {"containers", "initContainers"}) {
+    if (spec[key].get(list) || list.is_null()) continue;
+    simdjson::dom::array arr;
+    if (list.get_array().get(arr)) return Bad(absl::StrCat("spec.", key, " is not an array"));
+    for (simdjson::dom::element c : arr) {
+      if (!c.is_object()) return Bad(absl::StrCat("spec.", key, " holds a non-object"));
+      simdjson::dom::element mounts;
+      if (c["volumeMounts"].get(mounts) || mounts.is_null()) continue;
+      simdjson::dom::array marr;
+      if (mounts.get_array().get(marr)) return Bad("volumeMounts is not an array");
+      for (simdjson::dom::element m : marr) {
+        if (!m.is_object()) return Bad("volumeMounts holds a non-object");
+        pod->mounts.push_back({Str(c, "name"), Str(m, "name"), Str(m, "mountPropagation")});
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<PodStatus>> ParsePodList(absl::string_view json) {
@@ -64,6 +98,12 @@ absl::StatusOr<std::vector<PodStatus>> ParsePodList(absl::string_view json) {
     pod.name = Str(meta, "name");
     pod.uid = Str(meta, "uid");
     if (pod.uid.empty()) return Bad("an item without metadata.uid");
+    simdjson::dom::element deletion;
+    pod.terminating = !meta["deletionTimestamp"].get(deletion) && !deletion.is_null();
+    simdjson::dom::element spec;
+    if (!p["spec"].get(spec) && spec.is_object()) {
+      if (auto s = ReadSpec(spec, &pod); !s.ok()) return s;
+    }
     simdjson::dom::element status;
     if (!p["status"].get(status) && status.is_object()) {
       if (auto s = ReadContainers(status, "containerStatuses", false, &pod); !s.ok()) return s;

@@ -20,9 +20,26 @@ struct ContainerStatus {
   std::string started_at;     // state.running.startedAt; empty when not running
 };
 
+// A volume of the pod's spec, as far as telling whose it is goes.
+struct PodVolume {
+  std::string name;
+  std::string csi_driver;  // spec.volumes[].csi.driver (inline CSI volumes)
+  std::string claim_name;  // spec.volumes[].persistentVolumeClaim.claimName
+};
+
+// One volumeMount of one container (init containers included: native sidecars are there).
+struct VolumeMountUse {
+  std::string container;
+  std::string volume;
+  std::string propagation;  // mountPropagation; empty: the default, None
+};
+
 struct PodStatus {
   std::string namespace_, name, uid;
+  bool terminating = false;  // metadata.deletionTimestamp is set
   std::vector<ContainerStatus> containers;
+  std::vector<PodVolume> volumes;
+  std::vector<VolumeMountUse> mounts;
 };
 
 absl::StatusOr<std::vector<PodStatus>> ParsePodList(absl::string_view json);

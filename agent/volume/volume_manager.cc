@@ -918,48 +918,57 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
 
 void VolumeManager::Probe(const std::string& path, const std::string& mount_path,
                           const state::MountIdentity& id, StatsDone done) {
-  if (probes_outstanding_.count(mount_path) > 0) {
-    // An earlier statfs of this mount has not returned: it is unresponsive, and a second probe
-    // would only pin another thread.
+  auto outstanding = probes_outstanding_.find(mount_path);
+  if (outstanding != probes_outstanding_.end()) {
+    if (!outstanding->second->answered) {
+      // A probe still within its deadline: share its answer (a second statfs would only pin
+      // another thread, and reporting the mount unresponsive now would be wrong).
+      outstanding->second->dones.push_back(std::move(done));
+      return;
+    }
+    // An earlier statfs of this mount has not returned although its deadline has passed.
     csi::v1::NodeGetVolumeStatsResponse resp;
     resp.mutable_volume_condition()->set_abnormal(true);
     resp.mutable_volume_condition()->set_message(absl::StrCat(
         "an earlier statfs of ", path, " has not returned: the mount is unresponsive"));
     return done(resp);
   }
-  // Exactly one answer: the statfs result or the deadline, whichever comes first.
-  struct Race {
-    StatsDone done;
-    TimerId timer = 0;
-    absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> result = absl::UnknownError("not run");
-  };
-  auto race = std::make_shared<Race>();
-  race->done = std::move(done);
+  // Exactly one answer for everyone waiting: the statfs result or the deadline, whichever comes
+  // first.
+  auto race = std::make_shared<ProbeRace>();
+  race->dones.push_back(std::move(done));
   const absl::Duration timeout = options_.stats_timeout;
   race->timer = loop_.AddTimer(absl::ToChronoNanoseconds(timeout), [race, path, timeout] {
-    if (!race->done) return;
+    if (race->answered) return;
     csi::v1::NodeGetVolumeStatsResponse resp;
     resp.mutable_volume_condition()->set_abnormal(true);
     resp.mutable_volume_condition()->set_message(absl::StrCat(
         "statfs of ", path, " did not answer within ", absl::FormatDuration(timeout),
         ": the mount is unresponsive"));
-    std::exchange(race->done, nullptr)(resp);
+    race->Answer(resp);
   });
-  probes_outstanding_.insert(mount_path);
+  probes_outstanding_[mount_path] = race;
   absl::Status s = probe_pool_->Submit(
       "statfs probe",
       [ctx = ctx_, race, mount_path, id] { race->result = StatsBlocking(ctx, mount_path, id); },
       [this, race, mount_path](absl::Status ran) {
         probes_outstanding_.erase(mount_path);
-        if (!race->done) return;  // the deadline answered already
+        if (race->answered) return;  // the deadline answered already
         loop_.CancelTimer(race->timer);
-        std::exchange(race->done, nullptr)(ran.ok() ? std::move(race->result) : ran);
+        race->Answer(ran.ok() ? std::move(race->result) : ran);
       });
   if (!s.ok()) {
     probes_outstanding_.erase(mount_path);
     loop_.CancelTimer(race->timer);
-    std::exchange(race->done, nullptr)(s);
+    race->Answer(s);
   }
+}
+
+void VolumeManager::ProbeRace::Answer(const absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>& r) {
+  answered = true;
+  std::vector<StatsDone> waiting = std::move(dones);
+  dones.clear();
+  for (auto& d : waiting) d(r);
 }
 
 }  // namespace fusekeeper

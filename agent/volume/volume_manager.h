@@ -13,6 +13,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -104,6 +105,9 @@ class VolumeManager {
   void Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDone done);
 
   size_t volume_count() const { return volumes_.size(); }
+  // Loop thread. Pod uid → names of the volume directories published into that pod
+  // (`…/pods/<uid>/volumes/kubernetes.io~csi/<name>/mount`), for every target that records its pod.
+  std::map<std::string, std::set<std::string>> PublishedVolumeDirsByPod() const;
 
   // --- Recovery (volume_recovery.cc) ---
   void set_recovery_hooks(RecoveryHooks hooks) { hooks_ = std::move(hooks); }
@@ -192,8 +196,16 @@ class VolumeManager {
   uint64_t endpoint_serial_ = 0;
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;
+  // One statfs of a mount and everyone waiting for its answer.
+  struct ProbeRace {
+    std::vector<StatsDone> dones;
+    bool answered = false;  // by the result or the deadline
+    TimerId timer = 0;
+    absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> result = absl::UnknownError("not run");
+    void Answer(const absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>& r);
+  };
   // Mount paths with a statfs still outstanding (possibly hung): never more than one each.
-  std::unordered_set<std::string> probes_outstanding_;
+  std::map<std::string, std::shared_ptr<ProbeRace>> probes_outstanding_;
   RecoveryHooks hooks_;
   std::unordered_set<std::string> repairing_;           // volumes with a repair queued or running
   std::map<std::string, absl::Duration> backoff_;       // per volume, after failed repairs

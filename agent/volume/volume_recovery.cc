@@ -6,6 +6,7 @@
 // only after a check through the repaired mount has succeeded.
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/volume/volume_manager.h"
@@ -352,6 +353,18 @@ void VolumeManager::ServerContainerRestarted(const PodRef& pod, const std::strin
     }
   }
   Audit("the kubelet reported a container restart");
+}
+
+std::map<std::string, std::set<std::string>> VolumeManager::PublishedVolumeDirsByPod() const {
+  std::map<std::string, std::set<std::string>> out;
+  for (const auto& [id, v] : volumes_) {
+    for (const auto& t : v.targets()) {
+      if (t.pod_uid().empty() || !absl::EndsWith(t.path(), "/mount")) continue;
+      const std::string dir = t.path().substr(0, t.path().size() - 6);
+      out[t.pod_uid()].insert(dir.substr(dir.rfind('/') + 1));
+    }
+  }
+  return out;
 }
 
 VolumeManager::Counts VolumeManager::counts() const {

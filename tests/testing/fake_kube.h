@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,7 +26,7 @@ class FakeKube {
     server_ = std::make_unique<Subprocess>(std::vector<std::string>{
         "/usr/bin/python3", RunfilePath("tests/testing/fake_kube.py"), "--cert=" + dir + "/cert.pem",
         "--key=" + dir + "/key.pem", "--log=" + dir + "/requests.jsonl", "--port-file=" + dir + "/port",
-        "--pods-file=" + dir + "/pods.json", "--mode-file=" + dir + "/mode"});
+        "--pods-file=" + dir + "/pods.json", "--mode-file=" + dir + "/mode", "--pvcs-file=" + dir + "/pvcs.json"});
     ok_ = ok_ && server_->WaitForStderr("listening", 1, std::chrono::seconds(20));
     std::ifstream(dir + "/port") >> port_;
   }
@@ -38,6 +39,13 @@ class FakeKube {
   void SetPods(const std::string& json) {
     { std::ofstream(dir_ + "/pods.json.tmp") << json; }
     std::rename((dir_ + "/pods.json.tmp").c_str(), (dir_ + "/pods.json").c_str());
+  }
+  // PersistentVolumeClaims the API server double answers: "<ns>/<claim>" → bound PV name.
+  void SetPvcs(const std::map<std::string, std::string>& bound) {
+    std::string json = "{";
+    for (const auto& [k, v] : bound) json += (json.size() > 1 ? "," : "") + ("\"" + k + "\":\"" + v + "\"");
+    { std::ofstream(dir_ + "/pvcs.json.tmp") << json << "}"; }
+    std::rename((dir_ + "/pvcs.json.tmp").c_str(), (dir_ + "/pvcs.json").c_str());
   }
   // Waits until `n` requests have arrived in total.
   bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }

@@ -4,6 +4,9 @@
 Serves:  POST  /api/v1/namespaces/<ns>/events          (201; an existing name: 409)
          PATCH /api/v1/namespaces/<ns>/events/<name>   (200; unknown name: 404)
          GET   /pods                                   (the PodList in --pods-file)
+         GET   /api/v1/namespaces/<ns>/persistentvolumeclaims/<name>
+                                                       (bound to the volume --pvcs-file names for
+                                                        "<ns>/<name>"; else 404)
 Every request is appended to --log as one JSON line {"verb","path","auth","body"}.
 --mode-file, re-read per request, makes it misbehave: "ok", "500", "401", "403", "garbage", "slow".
 The chosen port is written to --port-file once listening.
@@ -18,6 +21,7 @@ p.add_argument("--log", required=True)
 p.add_argument("--port-file", required=True)
 p.add_argument("--pods-file", default="")
 p.add_argument("--mode-file", default="")
+p.add_argument("--pvcs-file", default="")
 args = p.parse_args()
 lock = threading.Lock()
 events = {}
@@ -66,6 +70,18 @@ class H(BaseHTTPRequestHandler):
         if verb == "GET" and parts == ["pods"]:
             with open(args.pods_file) as f:
                 return self.reply(200, f.read())
+        if verb == "GET" and len(parts) == 6 and parts[:2] == ["api", "v1"] and parts[4] == "persistentvolumeclaims":
+            try:
+                with open(args.pvcs_file) as f:
+                    bound = json.load(f)
+            except (OSError, ValueError):
+                bound = {}
+            key = parts[3] + "/" + parts[5]
+            if key in bound:
+                return self.reply(200, json.dumps({"kind": "PersistentVolumeClaim",
+                                                   "metadata": {"namespace": parts[3], "name": parts[5]},
+                                                   "spec": {"volumeName": bound[key]}}))
+            return self.reply(404, '{"kind":"Status","code":404}')
         if len(parts) >= 5 and parts[:2] == ["api", "v1"] and parts[4] == "events":
             if verb == "POST" and len(parts) == 5:
                 ev = json.loads(body)

@@ -402,6 +402,58 @@ TEST_F(RecoveryE2ETest, ASidecarStoppedForPodDeletionIsNoWarningButACrashIs) {
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(live + "/hello.txt"); }).has_value());
 }
 
+TEST_F(RecoveryE2ETest, PodsWhoseContainersRecoveryCannotReachAreNamed) {
+  const std::string kube_dir = root_.path() + "/kube";
+  fs::create_directories(kube_dir);
+  FakeKube kube(kube_dir);
+  ASSERT_TRUE(kube.ok()) << kube.Diagnostics();
+  const std::string secrets = root_.path() + "/secrets";
+  fs::create_directories(secrets);
+  fs::copy_file(kube.ca_file(), secrets + "/ca.crt");
+  { std::ofstream(secrets + "/token") << "agent-token"; }
+  // Pod "web" mounts an inline volume of ours and a claim bound to a PV of ours; container
+  // "app" without propagation, "good" with it. The claim is answered by the API server double.
+  kube.SetPods(R"({"kind":"PodList","items":[
+    {"metadata":{"namespace":"default","name":"web","uid":"pod-w"},
+     "spec":{"volumes":[{"name":"data","csi":{"driver":"fusekeeper.csi"}},
+                        {"name":"claimed","persistentVolumeClaim":{"claimName":"my-claim"}}],
+             "containers":[{"name":"app","volumeMounts":[{"name":"data","mountPath":"/d"},{"name":"claimed","mountPath":"/c"}]},
+                           {"name":"good","volumeMounts":[{"name":"data","mountPath":"/d","mountPropagation":"HostToContainer"}]}]}}]})");
+  kube.SetPvcs({{"default/my-claim", "pv-9"}});
+  agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube.port())};
+  StartAgent({"--kube_secrets_dir=" + secrets, "--metrics_address=127.0.0.1:0", "--kubelet_url=" + kube.url() + "/pods",
+              "--kubelet_ca_file=" + kube.ca_file(), "--kubelet_poll_period_ms=50"});
+  ASSERT_RPC_OK(PublishInline("inline-w", "pod-w", Pod("pod-w", "data")));
+  const std::string staging = StagingPath("vol-9");
+  ASSERT_RPC_OK(StageFuse("vol-9", staging));
+  ASSERT_RPC_OK(PublishStaged("vol-9", staging, Pod("pod-w", "pv-9"), "web", "pod-w"));
+  ASSERT_TRUE(WaitForAgentLog("RecoveryCannotReachContainer")) << agent_->Stderr() << kube.Diagnostics();
+  const std::string log = agent_->Stderr();
+  EXPECT_TRUE(absl::StrContains(log, "container app mounts volume data with mountPropagation None")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "container app mounts volume claimed with mountPropagation None")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "container good mounts")) << log;
+  // One Warning for the pod, on the API server, however many polls see it.
+  std::vector<std::string> posts;
+  const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+  while (posts.empty() && std::chrono::steady_clock::now() < deadline) {
+    ASSERT_TRUE(kube.WaitForRequests(kube.requests() + 1));
+    for (const auto& line : kube.Log()) {
+      if (absl::StrContains(line, "RecoveryCannotReachContainer") && absl::StrContains(line, "\"verb\": \"POST\"")) {
+        posts.push_back(line);
+      }
+    }
+  }
+  ASSERT_EQ(posts.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(posts[0], "\\\"name\\\":\\\"web\\\"")) << posts[0];
+  EXPECT_TRUE(absl::StrContains(posts[0], "\\\"type\\\":\\\"Warning\\\"")) << posts[0];
+  ASSERT_TRUE(kube.WaitForRequests(kube.requests() + 3));  // later polls post nothing more
+  EXPECT_EQ(AgentLogCount("RecoveryCannotReachContainer"), 1);
+  const size_t at = log.find("(port ");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_TRUE(absl::StrContains(HttpGet(std::stoi(log.substr(at + 6)), "/metrics"),
+                                "fusekeeper_pods_unreachable_by_recovery 1"));
+}
+
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();
