@@ -200,6 +200,7 @@ void HandoffEndpoint::ArmAbortWatch() {
         if (res > 0 && (res & (POLLERR | POLLHUP)) && !stopped_) {
           aborted_ = true;
           serving_ = false;
+          serving_connection_ = nullptr;  // its server's end, when it reports it, is no news
           LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
           if (events_.on_connection_aborted) events_.on_connection_aborted();
         } else if (res >= 0 && !stopped_) {
@@ -227,6 +228,7 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
   restored_ = false;
   served_ = false;
   serving_ = false;
+  serving_connection_ = nullptr;
   server_gone_ = false;
   init_record_.clear();
   std::vector<std::unique_ptr<Connection>> waiting = std::move(parked_);
@@ -436,8 +438,15 @@ void HandoffEndpoint::WatchServer(Connection* c) {
                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
     }
     c->fd.Reset();
+    const bool current = c == serving_connection_;
+    if (current) serving_connection_ = nullptr;
     std::unique_ptr<Connection> doomed = TakeConnection(c);
-    if (!stopped_) {
+    if (!current) {
+      // A server of an earlier connection (aborted and replaced) reporting its end after its
+      // successor took over: nothing about the current server.
+      LOG(INFO) << "volume " << config_.volume_id << ": an earlier server's handoff connection ended ("
+                << why.message() << ")";
+    } else if (!stopped_) {
       server_gone_ = true;
       serving_ = false;
       LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
@@ -460,6 +469,7 @@ void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<H
     LOG(INFO) << "volume " << config_.volume_id << " handed to server pid " << c->peer_pid << " ("
               << reply->server << ")";
     if (events_.on_served) events_.on_served(*reply, c->peer_pid);
+    serving_connection_ = c;
     WatchServer(c);  // the connection stays open while the server serves
     return;
   }

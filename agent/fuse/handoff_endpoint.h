@@ -150,6 +150,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::string init_record_;  // the FUSE_INIT the first server of this connection reported
   std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;
+  Connection* serving_connection_ = nullptr;  // the current server's (watched) connection
   std::shared_ptr<HandoffEndpoint> keep_alive_;
   int in_flight_ = 0;
   bool stopped_ = false;

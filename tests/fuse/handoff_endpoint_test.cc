@@ -59,7 +59,7 @@ class HandoffEndpointTest : public ::testing::Test {
       HandoffEndpoint::Events events;
       events.on_served = [this](const HandoffReply& r, pid_t pid) {
         served_.push_back({r.server, pid});
-        served_cv_.set_value();
+        if (served_.size() == 1) served_cv_.set_value();  // the first serving
       };
       events.on_server_gone = [this](const absl::Status& s) {
         gone_.push_back(s);
@@ -346,6 +346,47 @@ TEST_F(HandoffEndpointTest, ARedepositedFdThatIsNotTheVolumesConnectionIsRefused
     EXPECT_TRUE(endpoint_->awaiting_redeposit()) << "nothing was taken";
     EXPECT_FALSE(endpoint_->served());
     EXPECT_EQ(endpoint_->redeposits(), 0);
+  });
+}
+
+// A server on an aborted connection may report its end after its successor took over the fresh
+// one: that is no news about the current server.
+TEST_F(HandoffEndpointTest, AnEarlierServersLateGoodbyeDoesNotUnseatTheCurrentOne) {
+  StartEndpoint();
+  UniqueFd first = Serve();
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  // The kept connection ends (the write end of the stand-in closes: POLLHUP, as after an abort).
+  pipe_w_.Reset();
+  bool aborted = false;
+  for (auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+       !aborted && std::chrono::steady_clock::now() < deadline;) {
+    lt_.RunOnLoop([&] { aborted = endpoint_->aborted(); });
+  }
+  ASSERT_TRUE(aborted);
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  UniqueFd fresh_w(p[1]);
+  lt_.RunOnLoop([&] { endpoint_->ReplaceConnection(UniqueFd(p[0])); });
+  UniqueFd second = Serve();
+  bool serving = false;
+  for (auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+       !serving && std::chrono::steady_clock::now() < deadline;) {
+    lt_.RunOnLoop([&] { serving = endpoint_->serving(); });
+  }
+  ASSERT_TRUE(serving);
+  // Now the first server says goodbye, and closes. (Its receive is armed, so it completes as the
+  // message arrives: before the endpoint accepts the next connection below.)
+  ASSERT_TRUE(SendHandoffMessage(first.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+  first.Reset();
+  UniqueFd third = Connect(SockPath());
+  auto m = ReceiveHandoffMessage(third.get());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->fd.valid());
+  EXPECT_NE(m->payload.find("already being served"), std::string::npos) << m->payload;
+  lt_.RunOnLoop([&] {
+    EXPECT_TRUE(endpoint_->serving());
+    EXPECT_FALSE(endpoint_->server_gone());
+    EXPECT_TRUE(gone_.empty()) << "the earlier server's end is no news: " << gone_[0];
   });
 }
 
