@@ -8,6 +8,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -17,17 +18,22 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "tests/testing/subprocess.h"
 
 namespace fusekeeper {
+
+// How long a reader waits for what it is asked to wait for.
+inline constexpr std::chrono::seconds kReaderDeadline{20};
 
 // Reads `path` over and over (open, read, close) in a process of its own, as a pod would, and
 // counts what happened. A process, not a thread: the test process forks servers, and a fork
@@ -39,9 +45,11 @@ class Reader {
   explicit Reader(std::string path) : Reader(std::move(path), "", "") {}
   // Reads `file` below pod target `target` as a container would: `view_dir` (an empty directory)
   // becomes, in a mount namespace of the reader's own, an rslave recursive bind of the target.
+  // `pace_ms` > 0: one read per pace_ms at most (a load generator for many volumes at once; 0:
+  // back to back).
   static std::unique_ptr<Reader> InPod(const std::string& target, const std::string& file,
-                                       const std::string& view_dir) {
-    return std::unique_ptr<Reader>(new Reader(view_dir + "/" + file, target, view_dir));
+                                       const std::string& view_dir, int pace_ms = 0) {
+    return std::unique_ptr<Reader>(new Reader(view_dir + "/" + file, target, view_dir, pace_ms));
   }
   ~Reader() { Stop(); }
   void Stop() {
@@ -62,9 +70,33 @@ class Reader {
   bool WaitForReadsOf(const std::string& want, int n = 5) {
     std::unique_lock<std::mutex> lock(state_->mu);
     const int64_t start = state_->last == want ? state_->matching : 0;
-    return state_->cv.wait_for(lock, kTestDeadline, [&] {
+    return state_->cv.wait_for(lock, kReaderDeadline, [&] {
       return !state_->setup_error.empty() || (state_->last == want && state_->matching >= start + n);
     }) && state_->setup_error.empty();
+  }
+  // Starts timing a disruption (benchmarks): see HealedAfterMark. `want` (if not empty) is what
+  // a healed read returns, e.g. the content only the next server serves.
+  void Mark(const std::string& want = "") {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->mark = Clock::now();
+    state_->mark_want = want;
+    state_->first_ok_after_mark.reset();
+    state_->errors_after_mark = 0;
+  }
+  // Waits until reads work again after Mark(): the first successful read (of `want`, if given)
+  // completed after the mark, followed by `stable` more. Returns the time from the mark, or
+  // nullopt at the deadline.
+  std::optional<std::chrono::microseconds> HealedAfterMark(int stable = 3) {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    auto& st = *state_;
+    const bool ok = st.cv.wait_for(lock, kReaderDeadline,
+                                   [&] { return st.first_ok_after_mark.has_value() && st.matching > stable; });
+    if (!ok) return std::nullopt;
+    return std::chrono::duration_cast<std::chrono::microseconds>(*st.first_ok_after_mark - st.mark);
+  }
+  int64_t errors_after_mark() const {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->errors_after_mark;
   }
   // The last thing read ("" after an error).
   std::string last() const {
@@ -73,7 +105,9 @@ class Reader {
   }
 
  private:
-  Reader(std::string path, std::string target, std::string view_dir) : state_(std::make_shared<State>()) {
+  using Clock = std::chrono::steady_clock;
+  Reader(std::string path, std::string target, std::string view_dir, int pace_ms = 0)
+      : state_(std::make_shared<State>()) {
     state_->path = std::move(path);
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) abort();
@@ -83,7 +117,7 @@ class Reader {
       close(sv[0]);
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (!view_dir.empty()) EnterPodView(target.c_str(), view_dir.c_str(), sv[1]);
-      ReadForever(state_->path.c_str(), sv[1]);
+      ReadForever(state_->path.c_str(), sv[1], pace_ms);
     }
     close(sv[1]);
     thread_ = std::thread([s = state_, fd = sv[0]] { Collect(*s, fd); });
@@ -97,6 +131,10 @@ class Reader {
     int64_t matching = 0;
     std::string last;
     std::string setup_error;
+    Clock::time_point mark;
+    std::string mark_want;
+    std::optional<Clock::time_point> first_ok_after_mark;
+    int64_t errors_after_mark = 0;
   };
   // Child: what containerd does for a HostToContainer volume mount.
   static void EnterPodView(const char* target, const char* view, int out) {
@@ -115,9 +153,10 @@ class Reader {
     _exit(1);
   }
   // Child: one message per read: "+content" or "-errno".
-  [[noreturn]] static void ReadForever(const char* path, int out) {
+  [[noreturn]] static void ReadForever(const char* path, int out, int pace_ms) {
     char msg[512];
     while (true) {
+      if (pace_ms > 0) poll(nullptr, 0, pace_ms);  // the reader's rate, not a synchronisation
       size_t len = 1;
       msg[0] = '+';
       int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -134,15 +173,18 @@ class Reader {
     ssize_t n;
     while ((n = recv(fd, msg, sizeof(msg), 0)) > 0) {
       std::lock_guard<std::mutex> lock(s.mu);
+      const Clock::time_point now = Clock::now();
       if (msg[0] == '+') {
         std::string got(msg + 1, static_cast<size_t>(n) - 1);
         ++s.reads;
+        if (!s.first_ok_after_mark && (s.mark_want.empty() || got == s.mark_want)) s.first_ok_after_mark = now;
         s.matching = got == s.last ? s.matching + 1 : 1;
         s.last = std::move(got);
       } else if (msg[0] == '!') {
         s.setup_error.assign(msg + 1, static_cast<size_t>(n) - 1);
       } else {
         ++s.errors;
+        ++s.errors_after_mark;
         s.matching = 0;
         s.last.clear();
       }
