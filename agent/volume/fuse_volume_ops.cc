@@ -221,6 +221,7 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   const FuseMountOptions mo = MountOptionsFor(v, !staging && v.targets(0).readonly());
   if (auto s = MountFuseBlocking(dev->get(), target->get(), path, mo); !s.ok()) return s;
   target->Reset();
+  CrashPoint("recovery-fresh-mounted");
   auto top = TopOfBlocking(*ctx.kubelet, path);
   if (!top.ok()) return top.status();
   if (!top->has_value()) return absl::InternalError(absl::StrCat("fresh FUSE mount at ", path, " vanished"));

@@ -243,6 +243,9 @@ void VolumeManager::Rebind(const std::string& volume_id, const std::string& why,
   LOG(WARNING) << "volume " << volume_id << ": " << why << "; re-binding its pod targets";
   state::Volume v = it->second;
   if (adopt_global) {
+    // Stacked on the global mount's base (that is where pod targets follow it from): the base
+    // stays the base.
+    if (!v.has_staging_base()) *v.mutable_staging_base() = v.staging_mount();
     *v.mutable_staging_mount() = *adopt_global;
     v.set_source_dev_major(adopt_global->dev_major());
     v.set_source_dev_minor(adopt_global->dev_minor());

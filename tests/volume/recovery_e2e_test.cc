@@ -454,6 +454,41 @@ TEST_F(RecoveryE2ETest, PodsWhoseContainersRecoveryCannotReachAreNamed) {
                                 "fusekeeper_pods_unreachable_by_recovery 1"));
 }
 
+TEST_F(RecoveryE2ETest, AgentKilledRightAfterStackingAFreshConnectionHealsAfterRestart) {
+  agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-fresh-mounted"};
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("crash-2");
+  Subprocess* first = StartServer(socket_);
+  const std::string want = "hello from the export\n";
+  auto p1 = PodReader(t1, "hello.txt");
+  auto p2 = PodReader(t2, "hello.txt");
+  ASSERT_TRUE(p1->WaitForReadsOf(want)) << p1->setup_error() << first->Stderr();
+  ASSERT_TRUE(p2->WaitForReadsOf(want));
+  // The connection is aborted; the agent stacks a fresh one on the global mount and is killed
+  // before it records it (the fresh connection dies with it: nothing else holds its fd).
+  struct stat st;
+  ASSERT_EQ(stat(staging_.c_str(), &st), 0);
+  ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value()) << agent_->Stderr();
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  agent_env_.clear();
+  StartAgent({"--redeposit_wait_ms=100"});
+  // The next server gets a fresh connection: both running pods read through it.
+  Subprocess* second = StartServer(socket_);
+  ASSERT_TRUE(p1->WaitForReadsOf(want)) << second->Stderr() << agent_->Stderr();
+  ASSERT_TRUE(p2->WaitForReadsOf(want));
+  EXPECT_EQ(MountCountAt(staging_), 2) << "the dead layer was removed: base + live";
+  EXPECT_EQ(MountCountAt(t1), 2);
+  EXPECT_EQ(MountCountAt(t2), 2);
+  p1->Stop();
+  p2->Stop();
+  ASSERT_RPC_OK(Unpublish("crash-2", t1));
+  ASSERT_RPC_OK(Unpublish("crash-2", t2));
+  ASSERT_RPC_OK(Unstage("crash-2", staging_));
+  EXPECT_EQ(MountCountAt(staging_), 0);
+  EXPECT_EQ(MountCountAt(t1), 0);
+}
+
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();
