@@ -15,6 +15,7 @@
 #include <memory>
 #include <functional>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -307,8 +308,14 @@ int main(int argc, char** argv) {
           LOG(WARNING) << "pod " << ns << "/" << name << ": RecoveryCannotReachContainer: " << message;
           post_event({ns, name, uid}, "Warning", "RecoveryCannotReachContainer", message);
         });
-    kubelet_poller->set_on_pods(
-        [&](const std::vector<fusekeeper::PodStatus>& pods) { propagation_watch->OnPods(pods); });
+    kubelet_poller->set_on_pods([&](const std::vector<fusekeeper::PodStatus>& pods) {
+      std::set<std::string> terminating;
+      for (const auto& p : pods) {
+        if (p.terminating) terminating.insert(p.uid);
+      }
+      volumes.SetTerminatingPods(std::move(terminating));
+      propagation_watch->OnPods(pods);
+    });
     loop->Post([&] { kubelet_poller->Start(); });
     LOG(INFO) << "polling the kubelet at " << FLAGS_kubelet_url << " every " << FLAGS_kubelet_poll_period_ms << " ms";
   }

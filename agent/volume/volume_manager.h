@@ -105,6 +105,9 @@ class VolumeManager {
   void Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDone done);
 
   size_t volume_count() const { return volumes_.size(); }
+  // Loop thread. The pods the kubelet reports as terminating (deletionTimestamp set): a FUSE
+  // server of theirs that stops is a pod going away, not a failure.
+  void SetTerminatingPods(std::set<std::string> pod_uids) { terminating_pods_ = std::move(pod_uids); }
   // Loop thread. Pod uid → names of the volume directories published into that pod
   // (`…/pods/<uid>/volumes/kubernetes.io~csi/<name>/mount`), for every target that records its pod.
   std::map<std::string, std::set<std::string>> PublishedVolumeDirsByPod() const;
@@ -166,6 +169,8 @@ class VolumeManager {
   // Checks every mount of the volume through the FUSE server (statfs, under the stats deadline)
   // and reports MountRecovered / MountRecoveryFailed.
   void Verify(const std::string& volume_id, const std::string& how, absl::Time since);
+  // Every pod the volume is published to is terminating (and there is at least one).
+  bool AllPodsTerminating(const state::Volume& v) const;
   void EventForVolume(const state::Volume& v, const std::string& type, const std::string& reason,
                       const std::string& message);
   void RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn);
@@ -194,6 +199,7 @@ class VolumeManager {
   };
   std::map<std::string, Endpoint> endpoints_;
   uint64_t endpoint_serial_ = 0;
+  std::set<std::string> terminating_pods_;
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;
   // One statfs of a mount and everyone waiting for its answer.

@@ -62,8 +62,22 @@ void VolumeManager::OnServerGone(const std::string& volume_id, const std::string
         if (ep == endpoints_.end() || ep->second.serial != serial) return;  // unpublished meanwhile
         --ep->second.gone_pending;
         auto v = volumes_.find(volume_id);
-        if (v != volumes_.end()) EventForVolume(v->second, "Warning", "FuseServerNotConnected", message);
+        if (v == volumes_.end()) return;
+        if (AllPodsTerminating(v->second)) {
+          LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped while its pod is terminating: no Warning";
+          return;
+        }
+        EventForVolume(v->second, "Warning", "FuseServerNotConnected", message);
       });
+}
+
+bool VolumeManager::AllPodsTerminating(const state::Volume& v) const {
+  bool any = false;
+  for (const auto& t : v.targets()) {
+    if (t.pod_uid().empty() || terminating_pods_.count(t.pod_uid()) == 0) return false;
+    any = true;
+  }
+  return any;
 }
 
 void VolumeManager::OnServed(const std::string& volume_id, const std::string& path, bool adopted) {

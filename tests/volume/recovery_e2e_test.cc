@@ -489,6 +489,27 @@ TEST_F(RecoveryE2ETest, AgentKilledRightAfterStackingAFreshConnectionHealsAfterR
   EXPECT_EQ(MountCountAt(t1), 0);
 }
 
+TEST_F(RecoveryE2ETest, AServerOfATerminatingPodStoppingIsNoWarning) {
+  const std::string kube_dir = root_.path() + "/kube";
+  fs::create_directories(kube_dir);
+  FakeKube kube(kube_dir);
+  ASSERT_TRUE(kube.ok()) << kube.Diagnostics();
+  // The kubelet lists the pod as being deleted.
+  kube.SetPods(R"({"kind":"PodList","items":[
+    {"metadata":{"namespace":"default","name":"bye","uid":"pod-bye","deletionTimestamp":"2026-11-23T00:00:00Z"}}]})");
+  StartAgent({"--kubelet_url=" + kube.url() + "/pods", "--kubelet_ca_file=" + kube.ca_file(),
+              "--kubelet_poll_period_ms=20", "--server_gone_grace_ms=100"});
+  const std::string target = Pod("pod-bye", "term-1");
+  ASSERT_RPC_OK(PublishInline("term-1", "pod-bye", target));
+  Subprocess* sidecar = StartServer(PodSocket("pod-bye"));
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(target + "/hello.txt"); }).has_value());
+  ASSERT_TRUE(kube.WaitForRequests(2)) << "the agent has read the pod list";
+  sidecar->Signal(SIGTERM);
+  ASSERT_TRUE(WaitForAgentLog("stopped while its pod is terminating: no Warning")) << agent_->Stderr();
+  EXPECT_EQ(AgentLogCount("FuseServerNotConnected"), 0) << agent_->Stderr();
+  ASSERT_RPC_OK(Unpublish("term-1", target));
+}
+
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();

@@ -50,6 +50,14 @@ TEST_F(FuseE2ETest, SoakThousandServerKillsAcrossTwentyVolumes) {
     return got.has_value() && *got == "hello from the export\n";
   };
   for (int v = 0; v < kVolumes; ++v) ASSERT_TRUE(read_ok(v)) << v << agent_->Stderr();
+  // Every pod also reads from a container-like view the whole time (paced: 20 readers on 2 cores).
+  std::vector<std::unique_ptr<Reader>> views;
+  for (int v = 0; v < kVolumes; ++v) {
+    const std::string view = root_.path() + "/views/soak-" + std::to_string(v);
+    fs::create_directories(view);
+    views.push_back(Reader::InPod(targets[v], "hello.txt", view, /*pace_ms=*/5));
+    ASSERT_TRUE(views.back()->WaitForReadsOf("hello from the export\n", 2)) << views.back()->setup_error();
+  }
   const int mounts_before = MountsUnder(kubelet_);
   const int fds_before = FdCount(agent_->pid());
   const double rss_before = RssMiB(agent_->pid());
@@ -70,6 +78,15 @@ TEST_F(FuseE2ETest, SoakThousandServerKillsAcrossTwentyVolumes) {
   int broken = 0;
   for (int v = 0; v < kVolumes; ++v) broken += !read_ok(v);
   EXPECT_EQ(broken, 0);
+  int64_t view_errors = 0, view_reads = 0;
+  for (auto& view : views) {
+    EXPECT_TRUE(view->WaitForReadsOf("hello from the export\n", 2)) << "a pod view is stuck";
+    view->Stop();
+    view_errors += view->errors();
+    view_reads += view->reads();
+  }
+  EXPECT_EQ(view_errors, 0) << "reads in pod views wait through every kill, never fail";
+  EXPECT_GT(view_reads, kVolumes);
   EXPECT_EQ(MountsUnder(kubelet_), mounts_before) << "no mounts leaked or stacked";
   EXPECT_LE(FdCount(agent_->pid()), fds_before + 2) << "no fds leaked";
   const double rss_after = RssMiB(agent_->pid());
