@@ -340,6 +340,9 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     if (res == -ECANCELED) {
       if (!restored_) return SendOffer(c, /*refuse=*/false, "");  // a connection arrived meanwhile
       // Silent: a server that waits for its config (one that serves nothing yet, or a v1 server).
+      LOG(INFO) << "volume " << config_.volume_id << ": server pid " << c->peer_pid << " did not re-deposit a "
+                << "connection within " << absl::FormatDuration(options_.redeposit_wait)
+                << " of connecting to the restarted agent; it gets a fresh connection";
       parked_.push_back(TakeConnection(c));
       if (events_.on_fresh_requested) events_.on_fresh_requested();
       return;
