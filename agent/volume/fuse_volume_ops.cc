@@ -136,6 +136,7 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
     if (created) unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR);
     return fail(s);
   }
+  CrashPoint(staging ? "fuse-stage-mounted" : "fuse-publish-mounted");
   auto mounted = ctx.kubelet->OpenPathBlocking(*rel);
   if (!mounted.ok()) return fail(mounted.status());
   auto facts = LookupMountAtBlocking(mounted->get(), table_path);

@@ -9,6 +9,12 @@ namespace {
 bool IsOurs(const MountEntry* e, const state::Volume& v, const state::MountIdentity& id,
             bool pending) {
   if (e == nullptr) return false;
+  if (pending && v.kind() == "fuse") {
+    // A FUSE mount's device only exists once it is mounted, so intent cannot record it: ours is
+    // the FUSE mount of our subtype whose source is the volume id (what MountFuseBlocking sets).
+    const std::string subtype = v.fuse().subtype().empty() ? "fusekeeper" : v.fuse().subtype();
+    return e->fs_type == absl::StrCat("fuse.", subtype) && e->source == v.volume_id();
+  }
   if (pending) return e->major == v.source_dev_major() && e->minor == v.source_dev_minor();
   return e->major == id.dev_major() && e->minor == id.dev_minor() && e->root == id.root();
 }
@@ -19,6 +25,14 @@ state::MountIdentity IdentityOf(const MountEntry& e) {
   id.set_dev_minor(e.minor);
   id.set_root(std::string(e.root));
   return id;
+}
+
+// A FUSE volume's source device is its connection's, known only once mounted: record it when a
+// pending FUSE mount is adopted (publishes compare their targets against it).
+void AdoptFuseSource(const MountEntry& e, state::Volume* v) {
+  if (v->kind() != "fuse") return;
+  v->set_source_dev_major(e.major);
+  v->set_source_dev_minor(e.minor);
 }
 
 }  // namespace
@@ -39,6 +53,7 @@ ReconcileOutcome Reconcile(std::vector<state::Volume> volumes, const MountTable&
       if (v.staging_pending()) {
         if (IsOurs(top, v, v.staging_mount(), true)) {
           *v.mutable_staging_mount() = IdentityOf(*top);
+          AdoptFuseSource(*top, &v);
           v.set_staging_pending(false);
           out.notes.push_back(absl::StrCat("volume ", id, ": adopted staging mount at ", path));
         } else {
@@ -62,6 +77,7 @@ ReconcileOutcome Reconcile(std::vector<state::Volume> volumes, const MountTable&
       if (t.pending()) {
         if (IsOurs(top, v, t.mount(), true)) {
           *t.mutable_mount() = IdentityOf(*top);
+          if (v.staging_path().empty()) AdoptFuseSource(*top, &v);
           t.set_pending(false);
           out.notes.push_back(absl::StrCat("volume ", id, ": adopted mount at ", t.path()));
         } else {

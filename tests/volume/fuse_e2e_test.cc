@@ -1,5 +1,8 @@
 // FUSE volumes end to end: the real agent binary and the real reference server (fkserve, run
 // unprivileged as uid 65534) in this test's private mount namespace, with a real /dev/fuse.
+#include <algorithm>
+#include <functional>
+
 #include "tests/volume/fuse_fixture.h"
 
 namespace fusekeeper {
@@ -291,6 +294,85 @@ TEST_F(FuseE2ETest, GarbageOnTheHandoffSocketDoesNotDisturbTheVolume) {
   EXPECT_EQ(*content, "hello from the export\n");
   ASSERT_RPC_OK(Unpublish("garbage", target));
 }
+
+// kill -9 at each step of a FUSE volume's life between a mount syscall and the state write,
+// restart, retry what kubelet would retry, serve, read, tear down: never a leaked mount, socket
+// or state file, and never a volume that kubelet's retries cannot bring back.
+class FuseCrashPointTest : public FuseE2ETest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  void ExpectAgentKilled() {
+    auto status = agent_->Wait(std::chrono::milliseconds(20000));
+    ASSERT_TRUE(status.has_value());
+    EXPECT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGKILL) << agent_->Stderr();
+  }
+  // Runs `rpc`; if the crash point is one of `points` (the ones `rpc` passes), expects the agent
+  // to die there, restarts it and retries `rpc` (kubelet's retry).
+  void Step(const std::vector<std::string>& points, const std::function<grpc::Status()>& rpc) {
+    grpc::Status s = rpc();
+    const std::string point = GetParam();
+    if (std::find(points.begin(), points.end(), point) == points.end()) {
+      ASSERT_TRUE(s.ok()) << points[0] << ": " << s.error_message() << agent_->Stderr();
+      return;
+    }
+    EXPECT_FALSE(s.ok());
+    ExpectAgentKilled();
+    agent_env_.clear();
+    StartAgent({"--redeposit_wait_ms=100"});
+    s = rpc();
+    ASSERT_TRUE(s.ok()) << "retry after " << point << ": " << s.error_message() << agent_->Stderr();
+  }
+};
+
+TEST_P(FuseCrashPointTest, StagedVolumeKillMinusNineThenRestartRecovers) {
+  const std::string point = GetParam();
+  if (point == "fuse-publish-mounted") GTEST_SKIP() << "an inline volume's point";
+  agent_env_ = {"FUSEKEEPER_CRASH_AT=" + point};
+  StartAgent();
+  const std::string staging = StagingPath("crash-s");
+  const std::string target = Pod("pod-c", "crash-s");
+  Step({"fuse-stage-mounted"}, [&] { return StageFuse("crash-s", staging); });
+  EXPECT_EQ(MountCountAt(staging), 1);
+  Step({"publish-intent-saved", "publish-mounted"},
+       [&] { return PublishStaged("crash-s", staging, target, "c", "pod-c"); });
+  EXPECT_EQ(MountCountAt(target), 1);
+  // The node-level server starts (any connection the killed agent held died with it: the server
+  // gets a fresh one, stacked where the pod sees it).
+  Subprocess* server = StartServer(StagedSocket("crash-s"));
+  auto view = PodReader(target, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << view->setup_error() << server->Stderr()
+                                                               << agent_->Stderr();
+  view->Stop();
+  Step({"unpublish-unmounted"}, [&] { return Unpublish("crash-s", target); });
+  EXPECT_EQ(MountCountAt(target), 0);
+  EXPECT_FALSE(fs::exists(target));
+  ASSERT_RPC_OK(Unstage("crash-s", staging));
+  EXPECT_EQ(MountCountAt(staging), 0);
+  EXPECT_FALSE(fs::exists(StagedSocket("crash-s")));
+  EXPECT_TRUE(fs::is_empty(state_ + "/volumes")) << "no state left behind";
+}
+
+TEST_P(FuseCrashPointTest, InlineVolumeKillMinusNineThenRestartRecovers) {
+  const std::string point = GetParam();
+  if (point != "fuse-publish-mounted" && point != "unpublish-unmounted") GTEST_SKIP() << "a staged volume's point";
+  agent_env_ = {"FUSEKEEPER_CRASH_AT=" + point};
+  StartAgent();
+  const std::string target = Pod("pod-i", "crash-i");
+  Step({"fuse-publish-mounted"}, [&] { return PublishInline("crash-i", "pod-i", target); });
+  EXPECT_EQ(MountCountAt(target), 1);
+  StartServer(PodSocket("pod-i"));
+  auto view = PodReader(target, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << view->setup_error() << agent_->Stderr();
+  view->Stop();
+  Step({"unpublish-unmounted"}, [&] { return Unpublish("crash-i", target); });
+  EXPECT_EQ(MountCountAt(target), 0);
+  EXPECT_FALSE(fs::exists(target));
+  EXPECT_FALSE(fs::exists(PodSocket("pod-i")));
+  EXPECT_TRUE(fs::is_empty(state_ + "/volumes")) << "no state left behind";
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, FuseCrashPointTest,
+                         ::testing::Values("fuse-stage-mounted", "publish-intent-saved", "publish-mounted",
+                                           "fuse-publish-mounted", "unpublish-unmounted"));
 
 }  // namespace
 }  // namespace fusekeeper
