@@ -81,6 +81,9 @@ DEFINE_int32(redeposit_wait_ms, 1000,
 DEFINE_int32(server_gone_grace_ms, 2000,
              "a FUSE server that stops is reported as a Warning only if its volume is not unpublished "
              "within this grace (kubelet stops a deleted pod's server sidecar just before unpublishing)");
+DEFINE_int32(state_lock_wait_ms, 15000,
+             "how long to wait for another agent (e.g. the old one of a rollout, finishing its "
+             "shutdown) to release the state dir's lock before exiting with status 4");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(audit_period_ms, 60000,
@@ -157,7 +160,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_server_gone_grace_ms < 0 || FLAGS_audit_period_ms < 1 ||
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_server_gone_grace_ms < 0 || FLAGS_state_lock_wait_ms < 0 || FLAGS_audit_period_ms < 1 ||
       FLAGS_kubelet_poll_period_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
                   "--shutdown_grace_ms >= 0";
@@ -168,10 +171,11 @@ int main(int argc, char** argv) {
     LOG(ERROR) << kubelet.status().message();
     return 2;
   }
-  auto store = fusekeeper::StateStore::Open(FLAGS_state_dir);
+  auto store = fusekeeper::StateStore::Open(FLAGS_state_dir, absl::Milliseconds(FLAGS_state_lock_wait_ms));
   if (!store.ok()) {
     LOG(ERROR) << "--state_dir: " << store.status().message();
-    return 2;
+    // Another agent already runs on this node: the same exit as a CSI socket that is in use.
+    return store.status().code() == absl::StatusCode::kFailedPrecondition ? 4 : 2;
   }
 
   auto loop_or = fusekeeper::Loop::Create();

@@ -1,6 +1,7 @@
 #include "agent/volume/state_store.h"
 
 #include <dirent.h>
+#include <sys/file.h>
 #include <fcntl.h>
 #include <openssl/sha.h>
 #include <sys/stat.h>
@@ -10,7 +11,9 @@
 #include <cstdio>
 
 #include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "agent/base/status.h"
 #include "agent/base/unique_fd.h"
 
@@ -52,13 +55,35 @@ std::string Sha256Hex(const std::string& data) {
   return out;
 }
 
-absl::StatusOr<StateStore> StateStore::Open(const std::string& dir) {
+absl::StatusOr<StateStore> StateStore::Open(const std::string& dir, absl::Duration lock_wait) {
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("--state_dir '", dir, "' must be absolute"));
   }
   // 0711: unprivileged FUSE servers must reach <dir>/sockets (each socket is 0600 and theirs);
   // nobody but root may list anything, and volumes/ itself is 0700.
   if (auto s = MkdirIfMissing(dir, 0711); !s.ok()) return s;
+  // Ownership first: a second agent must not touch the first one's files (not even its temp
+  // files) before it knows it is alone. The kernel drops the lock when the holder dies.
+  const std::string lock_path = dir + "/agent.lock";
+  UniqueFd lock(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!lock) return ErrnoStatus(errno, "open", lock_path);
+  const absl::Time give_up = absl::Now() + lock_wait;
+  while (flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) return ErrnoStatus(errno, "flock", lock_path);
+    if (absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(50));  // start-up only: nothing else runs yet
+      continue;
+    }
+    char pid[32] = {};
+    const ssize_t n = pread(lock.get(), pid, sizeof(pid) - 1, 0);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "another fusekeeper agent", n > 0 ? absl::StrCat(" (pid ", absl::StripAsciiWhitespace(pid), ")") : "",
+        " holds ", lock_path, ": only one agent may use a state dir"));
+  }
+  const std::string me = absl::StrCat(getpid(), "\n");
+  if (ftruncate(lock.get(), 0) != 0 || pwrite(lock.get(), me.data(), me.size(), 0) < 0) {
+    return ErrnoStatus(errno, "writing", lock_path);
+  }
   const std::string volumes = dir + "/volumes";
   if (auto s = MkdirIfMissing(volumes, 0700); !s.ok()) return s;
   DIR* d = opendir(volumes.c_str());
@@ -67,7 +92,7 @@ absl::StatusOr<StateStore> StateStore::Open(const std::string& dir) {
     if (absl::StrContains(e->d_name, kTmpMarker)) unlinkat(dirfd(d), e->d_name, 0);
   }
   closedir(d);
-  return StateStore(volumes);
+  return StateStore(volumes, std::move(lock));
 }
 
 std::string StateStore::FileFor(const std::string& volume_id) const {

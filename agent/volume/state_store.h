@@ -9,15 +9,20 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "agent/base/unique_fd.h"
 #include "proto/state.pb.h"
 
 namespace fusekeeper {
 
 class StateStore {
  public:
-  // Blocking. Creates <dir> (0711) and <dir>/volumes (0700), and removes temp files a killed
-  // writer left behind.
-  static absl::StatusOr<StateStore> Open(const std::string& dir);
+  // Blocking. Creates <dir> (0711), takes <dir>/agent.lock (an exclusive flock held for the
+  // store's lifetime: one agent per state dir; FAILED_PRECONDITION naming the holder's pid if
+  // another process still holds it after `lock_wait`: an old agent finishing its shutdown during
+  // a rollout lets go within its grace) before touching anything else, then creates
+  // <dir>/volumes (0700) and removes temp files a killed writer left behind.
+  static absl::StatusOr<StateStore> Open(const std::string& dir, absl::Duration lock_wait = absl::ZeroDuration());
 
   absl::Status SaveBlocking(const state::Volume& volume) const;
   // Idempotent: removing a volume that has no file is OK.
@@ -28,9 +33,10 @@ class StateStore {
   const std::string& dir() const { return dir_; }
 
  private:
-  explicit StateStore(std::string dir) : dir_(std::move(dir)) {}
+  StateStore(std::string dir, UniqueFd lock) : dir_(std::move(dir)), lock_(std::move(lock)) {}
   std::string FileFor(const std::string& volume_id) const;
   std::string dir_;  // <state_dir>/volumes
+  UniqueFd lock_;    // <state_dir>/agent.lock, flock(LOCK_EX) held
 };
 
 // Lower-case hex SHA-256.

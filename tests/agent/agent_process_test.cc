@@ -125,19 +125,62 @@ TEST(AgentProcessTest, ReplacesAStaleSocketFromACrashedAgent) {
 }
 
 TEST(AgentProcessTest, RefusesToStartWhileAnotherAgentServes) {
-  ShortTempDir dir;
+  ShortTempDir dir, other;
   const std::string sock = dir.path() + "/csi.sock";
   Subprocess first(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
   ASSERT_TRUE(WaitReady(Dial(sock))) << first.Stderr();
-  Subprocess second(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
-  EXPECT_NE(ExitCode(second.Wait(kExitDeadline)), 0);
+  // Another state dir, the same socket: the socket says someone serves.
+  Subprocess second(AgentCmd(other, {"--endpoint=unix://" + sock, "--node_id=n"}));
+  EXPECT_EQ(ExitCode(second.Wait(kExitDeadline)), 4);
   EXPECT_NE(second.Stderr().find("another process is serving"), std::string::npos)
       << second.Stderr();
+  // The same state dir: its lock says so before anything is touched, not even the first
+  // agent's temp files (a write-then-rename in flight).
+  const std::string in_flight = dir.path() + "/state/volumes/x.state.tmp.1.0";
+  { std::ofstream(in_flight) << "being written"; }
+  Subprocess third(AgentCmd(dir, {"--endpoint=unix://" + dir.path() + "/other.sock", "--node_id=n",
+                                  "--state_lock_wait_ms=0"}));
+  EXPECT_EQ(ExitCode(third.Wait(kExitDeadline)), 4);
+  EXPECT_NE(third.Stderr().find("another fusekeeper agent (pid " + std::to_string(first.pid()) + ") holds"),
+            std::string::npos)
+      << third.Stderr();
+  EXPECT_EQ(access(in_flight.c_str(), F_OK), 0) << "the refused agent removed the running one's temp file";
+  EXPECT_NE(access((dir.path() + "/other.sock").c_str(), F_OK), 0);
   // The first one is unharmed.
   auto ch = Dial(sock);
   csi::v1::ProbeResponse probe;
   grpc::ClientContext c;
   EXPECT_TRUE(csi::v1::Identity::NewStub(ch)->Probe(&c, {}, &probe).ok());
+}
+
+// Two agents started at the same instant on a stale socket: exactly one runs, every time.
+TEST(AgentProcessTest, TwoAgentsStartedTogetherNeverBothRun) {
+  for (int round = 0; round < 10; ++round) {
+    ShortTempDir dir;
+    const std::string sock = dir.path() + "/csi.sock";
+    {
+      Subprocess crashed(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
+      ASSERT_TRUE(WaitReady(Dial(sock))) << crashed.Stderr();
+      crashed.Signal(SIGKILL);
+      ASSERT_TRUE(crashed.Wait(kExitDeadline).has_value());
+    }
+    const std::vector<std::string> flags = {"--endpoint=unix://" + sock, "--node_id=n", "--state_lock_wait_ms=0"};
+    Subprocess a(AgentCmd(dir, flags)), b(AgentCmd(dir, flags));
+    ASSERT_TRUE(WaitReady(Dial(sock)));
+    // One of them exits 4; the other keeps serving.
+    std::optional<int> exited_a = a.Wait(milliseconds(0)), exited_b;
+    for (auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+         !exited_a && !exited_b && std::chrono::steady_clock::now() < deadline;) {
+      exited_b = b.Wait(milliseconds(50));
+      if (!exited_b) exited_a = a.Wait(milliseconds(50));
+    }
+    ASSERT_TRUE(exited_a.has_value() != exited_b.has_value()) << "round " << round << "\n" << a.Stderr() << b.Stderr();
+    EXPECT_EQ(ExitCode(exited_a ? exited_a : exited_b), 4);
+    csi::v1::ProbeResponse probe;
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + kTestDeadline);
+    EXPECT_TRUE(csi::v1::Identity::NewStub(Dial(sock))->Probe(&c, {}, &probe).ok()) << "round " << round;
+  }
 }
 
 TEST(AgentProcessTest, RefusesANonSocketFileAtTheEndpoint) {
