@@ -75,18 +75,6 @@ FuseMountOptions MountOptionsFor(const state::Volume& v, bool read_only_target) 
   return mo;
 }
 
-// Aborts the connections of a path's top layer and its base (one, if they are the same).
-void AbortConnectionsBlocking(const std::string& path, const state::MountIdentity& top,
-                              const state::MountIdentity& base) {
-  for (const uint32_t minor : {top.dev_minor(), base.dev_minor()}) {
-    absl::Status aborted = AbortFuseConnectionBlocking(minor);
-    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
-      LOG(WARNING) << "aborting FUSE connection " << minor << " of " << path << ": " << aborted;
-    }
-    if (base.dev_minor() == top.dev_minor()) break;
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx, state::Volume v,
@@ -181,7 +169,7 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
     if (dir.ok()) unlinkat(dir->get(), Name(v.fuse().socket_path()).c_str(), 0);
   }
   // Abort next: a dead or hung server then cannot keep the unmount (or anyone) waiting.
-  AbortConnectionsBlocking(path, id, base);
+  AbortConnectionsAtBlocking(*ctx.kubelet, path, {id.dev_minor(), base.dev_minor()});
   // Every layer: the live one a repair stacked and the base under it.
   absl::Status s = UnmountStackBlocking(*ctx.kubelet, path, id, base, /*fuse_layers=*/true);
   if (!s.ok() && s.code() != absl::StatusCode::kFailedPrecondition) return s;
@@ -209,7 +197,7 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   FuseRemounted out;
   // Our old connections first: aborted, so that nothing (no pod, no thread of ours) keeps waiting
   // on them. The base stays mounted: running containers hold copies of it.
-  AbortConnectionsBlocking(path, old, base);
+  AbortConnectionsAtBlocking(*ctx.kubelet, path, {old.dev_minor(), base.dev_minor()});
   // Dead layers above the base go (their umount propagates into the containers' copies too).
   auto stripped = StripToBaseBlocking(*ctx.kubelet, path, base, std::nullopt);
   if (!stripped.ok()) return stripped.status();

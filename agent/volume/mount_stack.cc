@@ -1,8 +1,16 @@
 #include "agent/volume/mount_stack.h"
 
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <sstream>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "agent/fuse/fuse_mount.h"
 #include "agent/mount/mount_ops.h"
+#include "agent/mount/mountinfo.h"
+#include "glog/logging.h"
 
 namespace fusekeeper {
 
@@ -46,6 +54,63 @@ absl::StatusOr<std::optional<sys::MountFacts>> TopOfBlocking(const KubeletDir& k
     return fd.status();
   }
   return LookupMountAtBlocking(fd->get(), kubelet.MountTablePath(path));
+}
+
+absl::StatusOr<std::vector<sys::MountFacts>> LayersAtBlocking(const KubeletDir& kubelet, const std::string& path) {
+  std::vector<sys::MountFacts> layers;
+  const std::string table_path = kubelet.MountTablePath(path);
+  if (!sys::HaveStatmount()) {
+    std::ifstream in("/proc/self/mountinfo");
+    std::stringstream text;
+    text << in.rdbuf();
+    auto table = MountTable::Parse(text.str());
+    if (!table.ok()) return table.status();
+    for (const MountEntry* e : table->FindAll(table_path)) {
+      sys::MountFacts f;
+      f.dev_major = e->major;
+      f.dev_minor = e->minor;
+      f.fs_type = std::string(e->fs_type);
+      f.root = std::string(e->root);
+      f.mount_point = std::string(e->mount_point);
+      layers.push_back(std::move(f));
+    }
+    return layers;
+  }
+  auto top = TopOfBlocking(kubelet, path);
+  if (!top.ok()) return top.status();
+  if (!top->has_value()) return layers;
+  layers.push_back(std::move(**top));
+  while (static_cast<int>(layers.size()) <= kMaxMountLayers) {
+    sys::MountFacts below;
+    if (sys::StatMount(layers.back().parent_id, &below) != 0 || below.mount_point != table_path) break;
+    layers.push_back(std::move(below));
+  }
+  return layers;
+}
+
+void AbortConnectionsAtBlocking(const KubeletDir& kubelet, const std::string& path,
+                                const std::vector<uint32_t>& minors) {
+  auto layers = LayersAtBlocking(kubelet, path);
+  if (!layers.ok()) {
+    LOG(WARNING) << "not aborting FUSE connections of " << path << ": " << layers.status();
+    return;
+  }
+  std::set<uint32_t> done;
+  for (const uint32_t minor : minors) {
+    if (!done.insert(minor).second) continue;
+    const bool here = std::any_of(layers->begin(), layers->end(), [minor](const sys::MountFacts& f) {
+      return f.dev_major == 0 && f.dev_minor == minor && IsFuseFsType(f.fs_type);
+    });
+    if (!here) {
+      LOG(INFO) << "not aborting FUSE connection " << minor << ": no FUSE mount of it is at " << path
+                << " (a saved number may belong to another file system after a reboot)";
+      continue;
+    }
+    absl::Status aborted = AbortFuseConnectionBlocking(minor);
+    if (!aborted.ok() && aborted.code() != absl::StatusCode::kNotFound) {
+      LOG(WARNING) << "aborting FUSE connection " << minor << " of " << path << ": " << aborted;
+    }
+  }
 }
 
 absl::StatusOr<Stripped> StripToBaseBlocking(const KubeletDir& kubelet, const std::string& path,

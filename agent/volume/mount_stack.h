@@ -15,6 +15,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "agent/paths/kubelet_dir.h"
@@ -43,6 +44,16 @@ bool VisibleThroughBase(const sys::MountFacts& top, const state::MountIdentity& 
 
 // What is mounted on top of `path` (nullopt: nothing, or the path itself is gone).
 absl::StatusOr<std::optional<sys::MountFacts>> TopOfBlocking(const KubeletDir& kubelet, const std::string& path);
+
+// Every mount stacked at `path` right now, top first (statmount: the top's parents while they
+// are mounted at the same point; without it, /proc/self/mountinfo).
+absl::StatusOr<std::vector<sys::MountFacts>> LayersAtBlocking(const KubeletDir& kubelet, const std::string& path);
+
+// Aborts the FUSE connections `minors` (fusectl), each only if a FUSE mount of it is at `path`
+// right now: a saved connection number proves nothing after a reboot (numbers are reused), and
+// aborting someone else's connection kills their file system.
+void AbortConnectionsAtBlocking(const KubeletDir& kubelet, const std::string& path,
+                                const std::vector<uint32_t>& minors);
 
 struct Stripped {
   std::optional<sys::MountFacts> top;  // the top after stripping

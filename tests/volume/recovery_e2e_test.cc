@@ -510,6 +510,65 @@ TEST_F(RecoveryE2ETest, AServerOfATerminatingPodStoppingIsNoWarning) {
   ASSERT_RPC_OK(Unpublish("term-1", target));
 }
 
+// After a reboot FUSE connection numbers are reused: a volume's saved number may now belong to
+// another program's file system, which the agent's start-up repair must not abort.
+TEST_F(RecoveryE2ETest, AfterARebootARepairNeverAbortsAConnectionThatIsNotAtTheVolumesPath) {
+  StartAgent();
+  auto [t1, t2] = StageAndPublishTwo("reboot-1");
+  Subprocess* first = StartServer(socket_);
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(t1 + "/hello.txt"); }).has_value()) << first->Stderr();
+  // "Reboot": the agent and the server die, and the volume's mounts are gone.
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  for (const std::string& p : {t1, t2, staging_}) {
+    while (MountCountAt(p) > 0) ASSERT_EQ(umount2(p.c_str(), MNT_DETACH), 0) << p;
+  }
+  // Another program's FUSE file system, whose connection number the saved state now names.
+  const std::string other_dir = root_.path() + "/other";
+  fs::create_directories(other_dir);
+  auto dev = OpenFuseDeviceBlocking();
+  ASSERT_TRUE(dev.ok());
+  UniqueFd dir(open(other_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  FuseMountOptions mo;
+  mo.subtype = "otherfs";
+  ASSERT_TRUE(MountFuseBlocking(dev->get(), dir.get(), other_dir, mo).ok());
+  auto other = std::make_unique<HelloFuseServer>(dev->Release(), "someone else's data\n");
+  struct stat st;
+  ASSERT_EQ(stat(other_dir.c_str(), &st), 0);
+  {
+    auto store = StateStore::Open(state_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    std::vector<std::string> problems;
+    auto volumes = store->LoadAllBlocking(&problems);
+    ASSERT_TRUE(volumes.ok() && volumes->size() == 1u);
+    state::Volume v = (*volumes)[0];
+    v.mutable_staging_mount()->set_dev_minor(minor(st.st_dev));
+    for (auto& t : *v.mutable_targets()) t.mutable_mount()->set_dev_minor(minor(st.st_dev));
+    ASSERT_TRUE(store->SaveBlocking(v).ok());
+  }
+  StartAgent();
+  // The start-up audit finds the global mount gone and mounts a fresh connection...
+  ASSERT_TRUE(WaitForAgentLog("fresh FUSE connection mounted at")) << agent_->Stderr();
+  EXPECT_TRUE(WaitForAgentLog("not aborting FUSE connection " + std::to_string(minor(st.st_dev)))) << agent_->Stderr();
+  // ... and the other file system still answers.
+  auto read = WithDeadline([&] { return ReadFile(other_dir + "/hello"); });
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(*read, "someone else's data\n");
+  // The volume works again once a server connects; unpublish/unstage abort only their own.
+  StartServer(socket_);
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(staging_ + "/hello.txt"); }).has_value());
+  ASSERT_RPC_OK(Unpublish("reboot-1", t1));
+  ASSERT_RPC_OK(Unpublish("reboot-1", t2));
+  ASSERT_RPC_OK(Unstage("reboot-1", staging_));
+  read = WithDeadline([&] { return ReadFile(other_dir + "/hello"); });
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(*read, "someone else's data\n");
+  AbortFuseConnectionBlocking(minor(st.st_dev));
+  other.reset();
+}
+
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=recovery-rebound-one"};
   StartAgent();
