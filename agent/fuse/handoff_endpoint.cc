@@ -20,7 +20,13 @@ namespace fusekeeper {
 // Everything one connection's ring operations point at, kept alive until they all complete.
 struct HandoffEndpoint::Connection {
   UniqueFd fd;
-  pid_t peer_pid = 0;
+  pid_t peer_pid = 0;  // 0: the peer is in another pid namespace (a pod without hostPID)
+  uid_t peer_uid = 0;
+  // Who the peer is, for logs: its pid when this namespace can see it, its uid always.
+  std::string Peer() const {
+    return peer_pid > 0 ? absl::StrCat("server pid ", peer_pid, " (uid ", peer_uid, ")")
+                        : absl::StrCat("server uid ", peer_uid, " (pid not visible: another pid namespace)");
+  }
   std::string out;
   iovec out_iov{};
   msghdr out_msg{};
@@ -163,6 +169,7 @@ void HandoffEndpoint::OnAccepted(int fd) {
     return Finish(c, ErrnoStatus(errno, "SO_PEERCRED on handoff connection"), std::nullopt);
   }
   c->peer_pid = cred.pid;
+  c->peer_uid = cred.uid;
   if (options_.peer_uid && cred.uid != 0 && cred.uid != *options_.peer_uid) {
     return SendOffer(c, /*refuse=*/true,
                      absl::StrCat("uid ", cred.uid, " may not serve volume ", config_.volume_id,
@@ -308,7 +315,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
     if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
     if (!reply->ok && reply->fresh && c->live && !stopped_) {
       // Keep the connection: the server waits on it for a fresh connection's config.
-      LOG(INFO) << "volume " << config_.volume_id << ": server pid " << c->peer_pid
+      LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
                 << " cannot adopt the live connection and asks for a fresh one";
       parked_.push_back(TakeConnection(c));
       if (events_.on_fresh_requested) events_.on_fresh_requested();
@@ -340,7 +347,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     if (res == -ECANCELED) {
       if (!restored_) return SendOffer(c, /*refuse=*/false, "");  // a connection arrived meanwhile
       // Silent: a server that waits for its config (one that serves nothing yet, or a v1 server).
-      LOG(INFO) << "volume " << config_.volume_id << ": server pid " << c->peer_pid << " did not re-deposit a "
+      LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " did not re-deposit a "
                 << "connection within " << absl::FormatDuration(options_.redeposit_wait)
                 << " of connecting to the restarted agent; it gets a fresh connection";
       parked_.push_back(TakeConnection(c));
@@ -369,7 +376,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     aborted_ = false;
     ++redeposits_;
     init_record_ = reply->init;
-    LOG(INFO) << "volume " << config_.volume_id << ": server pid " << c->peer_pid
+    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
               << " re-deposited its live FUSE connection";
     ArmAbortWatch();
     Finish(c, absl::OkStatus(), *reply);  // the same server goes on serving: not an adoption
@@ -469,7 +476,7 @@ void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<H
     server_gone_ = false;
     if (c->live) ++adoptions_;
     if (!c->live && !reply->init.empty()) init_record_ = reply->init;
-    LOG(INFO) << "volume " << config_.volume_id << " handed to server pid " << c->peer_pid << " ("
+    LOG(INFO) << "volume " << config_.volume_id << " handed to " << c->Peer() << " ("
               << reply->server << ")";
     if (events_.on_served) events_.on_served(*reply, c->peer_pid);
     serving_connection_ = c;
@@ -479,7 +486,7 @@ void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<H
   c->fd.Reset();
   std::unique_ptr<Connection> doomed = TakeConnection(c);
   if (!status.ok()) {
-    LOG(WARNING) << "handoff of volume " << config_.volume_id << " to pid " << c->peer_pid
+    LOG(WARNING) << "handoff of volume " << config_.volume_id << " to " << c->Peer()
                  << " failed: " << status;
     if (events_.on_connection_error) events_.on_connection_error(status);
   }

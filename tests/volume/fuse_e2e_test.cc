@@ -295,6 +295,24 @@ TEST_F(FuseE2ETest, GarbageOnTheHandoffSocketDoesNotDisturbTheVolume) {
   ASSERT_RPC_OK(Unpublish("garbage", target));
 }
 
+// In a cluster the agent and the server are in different pid namespaces: SO_PEERCRED says pid 0.
+// The logs name the server by uid then, and nothing relies on the pid.
+TEST_F(FuseE2ETest, AServerInAnotherPidNamespaceIsNamedByItsUid) {
+  agent_prefix_ = {"/usr/bin/unshare", "--pid", "--fork", "--kill-child=SIGTERM"};
+  StartAgent();
+  const std::string target = Pod("pod-ns", "ns-1");
+  ASSERT_RPC_OK(PublishInline("ns-1", "pod-ns", target));
+  StartServer(PodSocket("pod-ns"));
+  auto got = WithDeadline([&] { return ReadFile(target + "/hello.txt"); });
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(*got, "hello from the export\n");
+  EXPECT_NE(agent_->Stderr().find("handed to server uid 65534 (pid not visible: another pid namespace)"),
+            std::string::npos)
+      << agent_->Stderr();
+  EXPECT_EQ(agent_->Stderr().find("server pid 0"), std::string::npos);
+  ASSERT_RPC_OK(Unpublish("ns-1", target));
+}
+
 // kill -9 at each step of a FUSE volume's life between a mount syscall and the state write,
 // restart, retry what kubelet would retry, serve, read, tear down: never a leaked mount, socket
 // or state file, and never a volume that kubelet's retries cannot bring back.

@@ -97,10 +97,12 @@ class FuseE2ETest : public ::testing::Test {
   }
 
   void StartAgent(std::vector<std::string> extra = {}) {
-    std::vector<std::string> cmd = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_.path() + "/csi.sock",
+    std::vector<std::string> cmd = agent_prefix_;
+    std::vector<std::string> agent = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_.path() + "/csi.sock",
                                     "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + state_,
                                     "--stats_timeout_ms=1000"};
-    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    agent.insert(agent.end(), extra.begin(), extra.end());
+    cmd.insert(cmd.end(), agent.begin(), agent.end());
     agent_ = std::make_unique<Subprocess>(cmd, agent_env_);
     channel_ = DialUnixSocket(root_.path() + "/csi.sock");
     ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + kTestDeadline)) << agent_->Stderr();
@@ -240,6 +242,7 @@ class FuseE2ETest : public ::testing::Test {
   std::string kubelet_, state_, export_, fkserve_;
   std::unique_ptr<Subprocess> agent_;
   std::vector<std::string> agent_env_;  // extra environment for the agent
+  std::vector<std::string> agent_prefix_;  // a command the agent is run under (e.g. unshare)
   std::vector<std::unique_ptr<Subprocess>> servers_;
   int views_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
