@@ -438,11 +438,16 @@ void VolumeManager::ListenAgain() {
                              : v.targets_size() == 1   ? v.targets(0).path()
                                                        : "";
     if (path.empty() || endpoints_.count(EndpointKey(id, path)) > 0) continue;
+    // Under the volume's claim: a repair (which makes the socket again itself) or an RPC on the
+    // volume must not interleave with replacing its socket file. A volume that is busy now gets
+    // its socket from that work's repair instead.
+    if (!busy_.insert(id).second) continue;
     auto listen = std::make_shared<absl::StatusOr<UniqueFd>>(absl::UnknownError("not run"));
     absl::Status s = pool_.Submit(
         "handoff socket after restart",
         [ctx = ctx_, v = v, listen] { *listen = ListenForServerBlocking(ctx, v); },
         [this, id = id, path, listen](absl::Status ran) {
+          busy_.erase(id);
           auto it = volumes_.find(id);
           if (!ran.ok() || it == volumes_.end()) return;
           if (!listen->ok()) {
@@ -451,7 +456,10 @@ void VolumeManager::ListenAgain() {
           }
           StartEndpoint(it->second, path, UniqueFd(), std::move(**listen), {}, {}, /*unclaimed_timeout=*/false);
         });
-    if (!s.ok()) LOG(WARNING) << s;
+    if (!s.ok()) {
+      busy_.erase(id);
+      LOG(WARNING) << s;
+    }
   }
 }
 

@@ -200,6 +200,7 @@ class VolumeManager {
   std::map<std::string, Endpoint> endpoints_;
   uint64_t endpoint_serial_ = 0;
   std::set<std::string> terminating_pods_;
+  bool audit_retry_pending_ = false;  // an audit that skipped busy volumes looks again soon
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;
   // One statfs of a mount and everyone waiting for its answer.

@@ -308,8 +308,13 @@ void VolumeManager::Audit(const std::string& why, absl::AnyInvocable<void()> don
     }
     std::vector<std::pair<std::string, std::string>> repair;
     std::vector<std::tuple<std::string, std::string, std::optional<state::MountIdentity>>> rebind;
+    bool skipped_busy = false;
     for (const auto& [id, v] : volumes_) {
-      if (!IsFuseVolume(v) || busy_.count(id) > 0 || repairing_.count(id) > 0) continue;
+      if (!IsFuseVolume(v) || repairing_.count(id) > 0) continue;
+      if (busy_.count(id) > 0) {
+        skipped_busy = true;
+        continue;
+      }
       if (!v.staging_path().empty()) {
         if (v.staging_pending()) continue;
         const MountEntry* global = (*table)->FindTop(kubelet_.MountTablePath(v.staging_path()));
@@ -348,6 +353,15 @@ void VolumeManager::Audit(const std::string& why, absl::AnyInvocable<void()> don
     }
     for (auto& [id, reason] : repair) RepairFuse(id, reason);
     for (auto& [id, reason, adopt] : rebind) Rebind(id, reason, adopt);
+    if (skipped_busy && !audit_retry_pending_) {
+      // A volume with an RPC (or its start-up socket) in flight is looked at again shortly, not
+      // only at the next periodic audit.
+      audit_retry_pending_ = true;
+      loop_.AddTimer(absl::ToChronoNanoseconds(options_.repair_backoff), [this, why] {
+        audit_retry_pending_ = false;
+        Audit(why);
+      });
+    }
     if (done) done();
   });
 }

@@ -537,6 +537,15 @@ TEST_F(RecoveryE2ETest, AfterARebootARepairNeverAbortsAConnectionThatIsNotAtTheV
   auto other = std::make_unique<HelloFuseServer>(dev->Release(), "someone else's data\n");
   struct stat st;
   ASSERT_EQ(stat(other_dir.c_str(), &st), 0);
+  // However the test ends, that server's connection ends first (its thread is joined).
+  struct EndOther {
+    std::unique_ptr<HelloFuseServer>& server;
+    uint32_t minor;
+    ~EndOther() {
+      AbortFuseConnectionBlocking(minor);
+      server.reset();
+    }
+  } end_other{other, minor(st.st_dev)};
   {
     auto store = StateStore::Open(state_);
     ASSERT_TRUE(store.ok()) << store.status();
@@ -565,8 +574,6 @@ TEST_F(RecoveryE2ETest, AfterARebootARepairNeverAbortsAConnectionThatIsNotAtTheV
   read = WithDeadline([&] { return ReadFile(other_dir + "/hello"); });
   ASSERT_TRUE(read.has_value());
   EXPECT_EQ(*read, "someone else's data\n");
-  AbortFuseConnectionBlocking(minor(st.st_dev));
-  other.reset();
 }
 
 TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
