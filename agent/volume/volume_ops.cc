@@ -102,13 +102,23 @@ void RemoveMountPointBlocking(const VolumeOpsContext& ctx, const std::string& re
   auto parent = ctx.kubelet->OpenParentBlocking(rel);
   if (!parent.ok()) return;
   const std::string name(BaseName(rel));
-  if (directory) {
-    if (unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR) != 0 && errno != ENOENT) {
-      LOG(WARNING) << "could not remove " << Abs(ctx, rel) << ": " << strerror(errno);
-    }
-  } else if (created) {
-    unlinkat(parent->get(), name.c_str(), 0);
+  // What is there now decides, not what the state says: a kill -9 can lose the record that we
+  // created a file target. A CSI target path is ours to remove once unmounted (the CO creates
+  // only its parent): an empty directory, or an empty regular file (a file mount point).
+  struct statx stx{};
+  if (statx(parent->get(), name.c_str(), AT_SYMLINK_NOFOLLOW | AT_STATX_DONT_SYNC, STATX_TYPE | STATX_SIZE, &stx) != 0) {
+    return;  // already gone
   }
+  const mode_t type = stx.stx_mode & S_IFMT;
+  int r = 0;
+  if (type == S_IFDIR) {
+    r = unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR);
+  } else if (type == S_IFREG && (stx.stx_size == 0 || (created && !directory))) {
+    r = unlinkat(parent->get(), name.c_str(), 0);
+  } else {
+    return;  // not a mount point of ours: left alone
+  }
+  if (r != 0 && errno != ENOENT) LOG(WARNING) << "could not remove " << Abs(ctx, rel) << ": " << strerror(errno);
 }
 
 }  // namespace

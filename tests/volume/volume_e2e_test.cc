@@ -12,6 +12,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <algorithm>
 #include <future>
 #include <thread>
 
@@ -494,6 +496,38 @@ TEST_P(CrashPointTest, KillMinusNineThenRestartRecovers) {
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
   EXPECT_EQ(MountCountAt(staging), 0);
+  EXPECT_TRUE(fs::is_empty(state_ + "/volumes")) << "no state left behind";
+}
+
+// The same for a File-type host path: the target is a file the agent creates, and it must be
+// gone after the unpublish whichever step the agent was killed at.
+TEST_P(CrashPointTest, FileTargetKillMinusNineThenRestartRecovers) {
+  const std::string point = GetParam();
+  const std::string file = host_.path() + "/f.txt";
+  { std::ofstream(file) << "file data"; }
+  const std::string staging = Staging("vf"), target = Target("pf", "vf");
+  StopAgent();
+  StartAgent({"FUSEKEEPER_CRASH_AT=" + point});
+  auto step = [&](const std::vector<std::string>& points, const std::function<grpc::Status()>& rpc) {
+    grpc::Status s = rpc();
+    if (std::find(points.begin(), points.end(), point) == points.end()) {
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      return;
+    }
+    EXPECT_FALSE(s.ok());
+    ExpectAgentKilled();
+    StartAgent();
+    s = rpc();
+    ASSERT_TRUE(s.ok()) << "retry after " << point << ": " << s.error_message();
+  };
+  step({"stage-intent-saved", "stage-mounted"}, [&] { return Stage("vf", staging, file, "File"); });
+  step({"publish-intent-saved", "publish-mounted"}, [&] { return Publish("vf", staging, target); });
+  EXPECT_EQ(MountCountAt(target), 1);
+  EXPECT_EQ(ReadFile(target), "file data");
+  step({"unpublish-unmounted"}, [&] { return Unpublish("vf", target); });
+  EXPECT_EQ(MountCountAt(target), 0);
+  EXPECT_FALSE(fs::exists(target)) << "the file target the agent created is removed";
+  step({"unstage-unmounted"}, [&] { return Unstage("vf", staging); });
   EXPECT_TRUE(fs::is_empty(state_ + "/volumes")) << "no state left behind";
 }
 
