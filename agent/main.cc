@@ -74,7 +74,9 @@ DEFINE_string(ephemeral_host_path_prefixes, "",
               "hostPath volumes may be mounted; empty refuses them all (pod authors choose "
               "those paths)");
 DEFINE_int32(handoff_timeout_ms, 300000,
-             "a FUSE volume no server has claimed by then is aborted, unmounted and forgotten");
+             "a FUSE volume no server has claimed by then has its connection aborted: it stays "
+             "mounted and fails fast (ENOTCONN), a Warning Event says what to check, and a server "
+             "that connects later gets a fresh connection");
 DEFINE_int32(redeposit_wait_ms, 1000,
              "after an agent restart, how long a server connecting to a FUSE volume's socket has to "
              "re-deposit its live connection before it is given a fresh one");

@@ -403,7 +403,11 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
   events.on_fresh_requested = [this, vid] {
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
-  events.on_connection_aborted = [this, vid] { RepairFuse(vid, "its FUSE connection was aborted"); };
+  events.on_connection_aborted = [this, vid, key] {
+    auto ep = endpoints_.find(key);
+    if (ep != endpoints_.end() && ep->second.gave_up) return;  // a server that connects gets a fresh one
+    RepairFuse(vid, "its FUSE connection was aborted");
+  };
   HandoffOptions ho;
   ho.reply_timeout = options_.handoff_reply_timeout;
   ho.peer_uid = v.fuse().server_uid();
@@ -485,50 +489,35 @@ void VolumeManager::OnHandoffTimeout(const std::string& volume_id, const std::st
     });
     return;
   }
-  LOG(WARNING) << "volume " << volume_id << ": no FUSE server claimed " << path << " within "
-               << absl::FormatDuration(options_.handoff_timeout) << "; aborting and unmounting it";
-  StopEndpoint(volume_id, path);
   auto it = volumes_.find(volume_id);
   if (it == volumes_.end()) {
     busy_.erase(volume_id);
     return;
   }
-  state::Volume v = it->second;
-  const bool staging = v.staging_path() == path;
-  RunJob<std::optional<state::Volume>>(
-      volume_id, "handoff timeout",
-      [ctx = ctx_, v, path, staging]() mutable -> absl::StatusOr<std::optional<state::Volume>> {
-        state::MountIdentity id = v.staging_mount(), base = StagingBase(v);
-        for (const auto& t : v.targets()) {
-          if (t.path() == path) id = t.mount(), base = TargetBase(t);
-        }
-        if (auto s = TearDownFuseMountBlocking(ctx, path, id, base, v, /*socket_in_kubelet_dir=*/!staging); !s.ok()) {
-          return s;
-        }
-        if (staging) {
-          v.clear_staging_path();
-          v.clear_staging_mount();
-          v.clear_staging_fingerprint();
-          if (v.targets_size() == 0) {
-            if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
-            return std::optional<state::Volume>();
-          }
-          if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
-          return std::optional<state::Volume>(v);
-        }
-        return UnpublishBlocking(ctx, std::move(v), path);
-      },
-      [this, volume_id](std::optional<state::Volume> v) {
-        if (v.has_value()) {
-          volumes_[volume_id] = std::move(*v);
-        } else {
-          volumes_.erase(volume_id);
-        }
-        return absl::OkStatus();
-      },
-      [volume_id](absl::Status s) {
-        if (!s.ok()) LOG(ERROR) << "tearing down unclaimed volume " << volume_id << ": " << s;
-      });
+  // The mount stays a mount: unmounting it would leave the pod writing to a plain directory on
+  // the node's disk. Its connection is aborted instead, so that everything waiting on it (a
+  // container being created stats its mounts) fails fast with ENOTCONN, and the endpoint keeps
+  // listening: a server that connects later gets a fresh connection stacked on this mount.
+  ep->second.gave_up = true;
+  const state::Volume& v = it->second;
+  const std::string message = absl::StrCat(
+      "no FUSE server connected to ", v.fuse().socket_path(), " within ", absl::FormatDuration(options_.handoff_timeout),
+      "; the mount now fails fast (ENOTCONN) until one does. Check that the server (sidecar or node-level) runs as uid ",
+      v.fuse().server_uid(), ", that it is given that socket path",
+      v.staging_path().empty() ? " (the pod's emptyDir named in volume_context socketVolume)" : "",
+      ", and its logs");
+  ep->second.gone_reason = message;
+  LOG(WARNING) << "volume " << volume_id << ": " << message;
+  EventForVolume(v, "Warning", "FuseServerNeverConnected", message);
+  state::MountIdentity id = v.staging_mount(), base = StagingBase(v);
+  for (const auto& t : v.targets()) {
+    if (t.path() == path) id = t.mount(), base = TargetBase(t);
+  }
+  absl::Status s = pool_.Submit(
+      "handoff timeout: abort the unserved connection",
+      [ctx = ctx_, path, id, base] { AbortConnectionsAtBlocking(*ctx.kubelet, path, {id.dev_minor(), base.dev_minor()}); },
+      [this, volume_id](absl::Status) { busy_.erase(volume_id); });
+  if (!s.ok()) busy_.erase(volume_id);
 }
 
 void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done) {

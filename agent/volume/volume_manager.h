@@ -59,7 +59,8 @@ struct VolumeManagerOptions {
   std::vector<std::string> ephemeral_host_path_prefixes;
   // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
   std::string socket_dir = "/var/lib/fusekeeper/sockets";
-  // A FUSE volume no server has claimed by then is aborted, unmounted and forgotten.
+  // A FUSE volume no server has claimed by then has its connection aborted (it stays mounted and
+  // fails fast) and a Warning posted; a server that connects later gets a fresh connection.
   absl::Duration handoff_timeout = absl::Minutes(5);
   // How long a connected server has to answer the handoff.
   absl::Duration handoff_reply_timeout = absl::Seconds(10);
@@ -191,6 +192,7 @@ class VolumeManager {
     std::shared_ptr<HandoffEndpoint> endpoint;
     TimerId timeout = 0;
     uint64_t serial = 0;     // tells this endpoint from a later one for the same path
+    bool gave_up = false;    // no server came within handoff_timeout: the connection was aborted
     int gone_pending = 0;    // server-gone Warnings waiting out server_gone_grace
     std::string gone_reason;  // why its server stopped serving, once it has
     int adoptions_seen = 0;

@@ -227,6 +227,8 @@ void VolumeManager::RepairFuse(const std::string& volume_id, const std::string& 
         }
         ep->second.recovering_since = since;
         ep->second.recovering_how = "fresh connection";
+        ep->second.gave_up = false;
+        ep->second.gone_reason.clear();
         ReportRebind(r->rebound);
         LOG(INFO) << "volume " << volume_id << ": fresh FUSE connection mounted at " << path << ", "
                   << r->rebound.rebound.size() << " target(s) re-bound; waiting for a server";

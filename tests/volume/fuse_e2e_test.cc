@@ -118,16 +118,38 @@ TEST_F(FuseE2ETest, AStagedVolumePublishedWithADifferentFsGroupIsRefusedNamingBo
   ASSERT_RPC_OK(Unstage("grp-2", staging2));
 }
 
-TEST_F(FuseE2ETest, AVolumeNoServerClaimsIsTornDownAfterTheHandoffTimeout) {
+TEST_F(FuseE2ETest, AVolumeNoServerClaimsFailsFastAfterTheHandoffTimeoutStaysAMountAndHealsLater) {
   StartAgent({"--handoff_timeout_ms=300"});
   const std::string target = Pod("pod-lonely", "vol");
   ASSERT_RPC_OK(PublishInline("lonely", "pod-lonely", target));
   EXPECT_EQ(MountCountAt(target), 1);
-  ASSERT_TRUE(WaitForMountCount(target, 0)) << "the unclaimed mount was not removed";
-  EXPECT_FALSE(fs::exists(PodSocket("pod-lonely")));
-  EXPECT_NE(agent_->Stderr().find("no FUSE server claimed"), std::string::npos);
-  // kubelet's later NodeUnpublish is still fine.
+  // A container created meanwhile (its runtime stats the mount: that waits) holds a copy.
+  auto view = PodReader(target, "hello.txt");
+  ASSERT_TRUE(agent_->WaitForStderr("FuseServerNeverConnected", 1, std::chrono::duration_cast<std::chrono::milliseconds>(kTestDeadline)))
+      << agent_->Stderr();
+  EXPECT_TRUE(absl::StrContains(agent_->Stderr(), "runs as uid 65534")) << agent_->Stderr();
+  // Never a plain directory on the node's disk: still a mount, failing fast.
+  EXPECT_EQ(MountCountAt(target), 1);
+  auto attempt = WithDeadline([&] {
+    int fd = open((target + "/written-to-node-disk").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
+    const int err = errno;
+    if (fd >= 0) close(fd);
+    return fd >= 0 ? 0 : err;
+  });
+  ASSERT_TRUE(attempt.has_value()) << "the unserved mount must fail fast, not hang";
+  EXPECT_EQ(*attempt, ENOTCONN);
+  EXPECT_TRUE(fs::exists(PodSocket("pod-lonely"))) << "a late server can still connect";
+  NodeGetVolumeStatsResponse stats = Stats("lonely", target);
+  EXPECT_TRUE(stats.volume_condition().abnormal());
+  EXPECT_TRUE(absl::StrContains(stats.volume_condition().message(), PodSocket("pod-lonely")))
+      << stats.volume_condition().message();
+  // The server finally comes: it gets a fresh connection, which the container sees.
+  StartServer(PodSocket("pod-lonely"));
+  ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << agent_->Stderr();
+  EXPECT_FALSE(Stats("lonely", target).volume_condition().abnormal());
+  view->Stop();
   ASSERT_RPC_OK(Unpublish("lonely", target));
+  EXPECT_EQ(MountCountAt(target), 0);
   EXPECT_FALSE(fs::exists(target));
 }
 
