@@ -167,6 +167,15 @@ absl::StatusOr<VolumeSpec> ParseSpec(const google::protobuf::Map<std::string, st
   return spec;
 }
 
+// Whether `a` and `b` are the same path or one lies inside the other.
+bool Overlaps(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  auto inside = [](const std::string& x, const std::string& dir) {
+    return x.size() > dir.size() && x.compare(0, dir.size(), dir) == 0 && x[dir.size()] == '/';
+  };
+  return a == b || inside(a, b) || inside(b, a);
+}
+
 // A staged FUSE volume is one mount whose server presents every file with the group it was
 // staged with; a pod whose fsGroup differs would get files it may not write, and kubelet (the
 // driver advertises VOLUME_MOUNT_GROUP) does not chown. So such a publish is refused, naming
@@ -356,6 +365,25 @@ void VolumeManager::RunVolumeJob(
       std::move(done));
 }
 
+absl::Status VolumeManager::CheckPathFree(const std::string& path, const std::string& volume_id,
+                                          const std::string& field) const {
+  for (const auto& [id, v] : volumes_) {
+    std::vector<std::pair<std::string, std::string>> paths;  // (path, what it is)
+    if (!v.staging_path().empty()) paths.emplace_back(v.staging_path(), "staging path");
+    for (const auto& t : v.targets()) paths.emplace_back(t.path(), "target");
+    for (const auto& [p, what] : paths) {
+      // The same path of the same volume is a repeat; anything else overlapping is refused.
+      if (id == volume_id && p == path) continue;
+      if (!Overlaps(path, p)) continue;
+      return absl::AlreadyExistsError(absl::StrCat(
+          field, " ", path, p == path ? " is " : " overlaps ", id == volume_id ? "this volume's own " : "",
+          what, p == path ? "" : absl::StrCat(" ", p), id == volume_id ? "" : absl::StrCat(" of volume ", id),
+          ": a path may belong to one volume only"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 const state::Target* VolumeManager::FindTargetOwner(const std::string& path, std::string* owner) const {
   for (const auto& [id, v] : volumes_) {
     for (const auto& t : v.targets()) {
@@ -533,12 +561,7 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
     if (!b.ok()) return done(b.status());
     bind = *b;
   }
-  for (const auto& [other, v] : volumes_) {
-    if (other != id && v.staging_path() == req.staging_target_path()) {
-      return done(absl::AlreadyExistsError(absl::StrCat(
-          "staging_target_path ", req.staging_target_path(), " is in use by volume ", other)));
-    }
-  }
+  if (auto s = CheckPathFree(req.staging_target_path(), id, "staging_target_path"); !s.ok()) return done(s);
   const std::string fp = Fingerprint(*spec, req.volume_capability(), false, "");
   std::optional<state::Volume> previous;
   state::Volume v;
@@ -728,6 +751,7 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     return done(absl::AlreadyExistsError(
         absl::StrCat("target_path ", target, " is in use by volume ", owner)));
   }
+  if (auto s = CheckPathFree(target, id, "target_path"); !s.ok()) return done(s);
   if (existing != nullptr && existing->fingerprint() != fp) {
     return done(absl::AlreadyExistsError(absl::StrCat(
         "volume ", id, " is already published at ", target, " with different parameters")));

@@ -158,6 +158,9 @@ class VolumeManager {
   void PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v, int index,
                          std::optional<state::Volume> previous, Done done);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
+  // ALREADY_EXISTS if `path` is, contains or lies inside any path of any volume (other than the
+  // same path of `volume_id` itself: a repeat). `field` names it in the message.
+  absl::Status CheckPathFree(const std::string& path, const std::string& volume_id, const std::string& field) const;
   // statfs of the mount at mount_path (which must be `id`) on the probe pool, answered within
   // the stats deadline: abnormal if it is unresponsive (`path` names it in messages).
   void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,

@@ -250,7 +250,14 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   if (!target.ok()) return fail(target.status());
   auto facts = LookupMountAtBlocking(target->get(), Abs(ctx, *rel));
   if (!facts.ok()) return fail(facts.status());
-  if (SameDevice(*facts, v.source_dev_major(), v.source_dev_minor())) {
+  // Adopted only if this volume already recorded this target (kubelet re-publishing after its
+  // restart, or a retry after a crash the start-up reconcile resolved): a mount of the same file
+  // system at a new target may be another volume's.
+  bool recorded = false;
+  if (previous) {
+    for (const auto& pt : previous->targets()) recorded = recorded || pt.path() == t->path();
+  }
+  if (recorded && SameDevice(*facts, v.source_dev_major(), v.source_dev_minor())) {
     LOG(INFO) << "volume " << v.volume_id() << ": " << t->path() << " is already mounted; adopting it";
   } else if (facts->has_value()) {
     return fail(absl::AlreadyExistsError(absl::StrCat(

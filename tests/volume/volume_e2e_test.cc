@@ -17,6 +17,7 @@
 #include <future>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "proto/csi.grpc.pb.h"
 #include "tests/testing/csi_client.h"
@@ -428,6 +429,42 @@ TEST_F(VolumeE2ETest, AgentRestartKeepsEverythingIdempotent) {
   ASSERT_RPC_OK(Unstage("v", staging));
   EXPECT_EQ(MountCountAt(staging), 0);
   EXPECT_EQ(MountCountAt(target), 0);
+}
+
+// A path belongs to one volume: a staging path or target that is, contains or lies inside
+// another volume's is refused, and a foreign mount of the same file system is never adopted.
+TEST_F(VolumeE2ETest, OverlappingPathsOfAnotherVolumeAreRefused) {
+  const std::string a_data = HostDir("a"), b_data = HostDir("b");  // one file system
+  { std::ofstream(a_data + "/secret") << "volume a's data"; }
+  const std::string a_staging = Staging("a"), a_target = Target("pa", "a");
+  ASSERT_RPC_OK(Stage("a", a_staging, a_data));
+  ASSERT_RPC_OK(Publish("a", a_staging, a_target));
+  // B staged on A's target, or inside it, or around A's staging path.
+  for (const std::string& bad : {a_target, a_target + "/sub", a_staging.substr(0, a_staging.rfind('/'))}) {
+    grpc::Status s = Stage("b", bad, b_data);
+    EXPECT_EQ(s.error_code(), grpc::ALREADY_EXISTS) << bad << ": " << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "volume a")) << s.error_message();
+  }
+  const std::string b_staging = Staging("b");
+  ASSERT_RPC_OK(Stage("b", b_staging, b_data));
+  // B published onto A's staging path or inside A's target.
+  for (const std::string& bad : {a_staging, a_target + "/x"}) {
+    grpc::Status s = Publish("b", b_staging, bad);
+    EXPECT_EQ(s.error_code(), grpc::ALREADY_EXISTS) << bad << ": " << s.error_message();
+  }
+  // A new target where someone bound A's data (the same file system as B's): not adopted.
+  const std::string planted = Target("pb", "b");
+  fs::create_directories(planted);
+  ASSERT_EQ(mount(a_data.c_str(), planted.c_str(), nullptr, MS_BIND, nullptr), 0);
+  grpc::Status s = Publish("b", b_staging, planted);
+  EXPECT_EQ(s.error_code(), grpc::ALREADY_EXISTS) << s.error_message();
+  EXPECT_EQ(MountCountAt(planted), 1) << "the foreign mount is left alone, nothing stacked";
+  ASSERT_EQ(umount2(planted.c_str(), MNT_DETACH), 0);
+  // Nothing leaked: both volumes tear down cleanly.
+  ASSERT_RPC_OK(Unpublish("a", a_target));
+  ASSERT_RPC_OK(Unstage("a", a_staging));
+  ASSERT_RPC_OK(Unstage("b", b_staging));
+  EXPECT_EQ(MountCountAt(a_staging) + MountCountAt(b_staging) + MountCountAt(a_target), 0);
 }
 
 // kill -9 at each step between the mount syscalls and the state writes, restart, retry the RPC
