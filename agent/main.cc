@@ -86,6 +86,10 @@ DEFINE_int32(server_gone_grace_ms, 2000,
 DEFINE_int32(state_lock_wait_ms, 15000,
              "how long to wait for another agent (e.g. the old one of a rollout, finishing its "
              "shutdown) to release the state dir's lock before exiting with status 4");
+DEFINE_string(host_root, "",
+              "where the node's root filesystem is mounted in the agent's container (the DaemonSet "
+              "mounts it at /host); hostPath volumes are resolved beneath it. Empty: the agent runs "
+              "in the node's own root (refused if its root is a container image's overlay)");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(audit_period_ms, 60000,
@@ -168,6 +172,14 @@ int main(int argc, char** argv) {
                   "--shutdown_grace_ms >= 0";
     return 2;
   }
+  if (const std::string problem = fusekeeper::ContainerRootProblem(FLAGS_host_root); !problem.empty()) {
+    LOG(ERROR) << problem;
+    return 2;
+  }
+  if (!FLAGS_host_root.empty() && (FLAGS_host_root[0] != '/' || access(FLAGS_host_root.c_str(), X_OK) != 0)) {
+    LOG(ERROR) << "--host_root " << FLAGS_host_root << " must be an absolute path to a directory the agent can enter";
+    return 2;
+  }
   auto kubelet = fusekeeper::KubeletDir::Open(FLAGS_kubelet_dir);
   if (!kubelet.ok()) {
     LOG(ERROR) << kubelet.status().message();
@@ -207,6 +219,7 @@ int main(int argc, char** argv) {
   fusekeeper::VolumeManager volumes(*loop, pool, *kubelet, *store, **table_reader,
                                     {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms),
                                      .ephemeral_host_path_prefixes = ephemeral_prefixes,
+                                     .host_root = FLAGS_host_root,
                                      .socket_dir = FLAGS_state_dir + "/sockets",
                                      .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms),
                                      .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms),

@@ -1,7 +1,10 @@
 #include "agent/paths/host_path.h"
 
 #include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <limits.h>
 #include <unistd.h>
 
@@ -26,40 +29,34 @@ const char* Describe(mode_t mode) {
   }
 }
 
-// mkdir -p that never follows a symlink: each component is created relative to its parent's fd
-// and opened O_NOFOLLOW.
-absl::Status MakeDirsNoFollow(const std::string& path, bool include_last) {
-  UniqueFd dir(open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!dir) return ErrnoStatus(errno, "open", "/");
+// Opens `rel` (relative, no leading '/') beneath the host root `root` (an O_PATH directory fd):
+// an absolute symlink on the way resolves inside the host root, never into the agent's own root
+// (RESOLVE_IN_ROOT); with `no_symlinks`, no symlink is followed at all.
+int OpenInRoot(int root, const std::string& rel, uint64_t flags, mode_t mode, bool no_symlinks) {
+  open_how how{};
+  how.flags = flags | O_CLOEXEC;
+  how.mode = (flags & O_CREAT) ? mode : 0;
+  how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | (no_symlinks ? RESOLVE_NO_SYMLINKS : 0);
+  return static_cast<int>(syscall(SYS_openat2, root, rel.empty() ? "." : rel.c_str(), &how, sizeof(how)));
+}
+
+// mkdir -p beneath the host root, one component at a time relative to its parent's fd (the
+// parent opened in-root; with `no_symlinks`, following no symlink anywhere).
+absl::Status MakeDirsInRoot(int root, const std::string& path, bool include_last, bool no_symlinks) {
   std::vector<std::string> parts = absl::StrSplit(path.substr(1), '/');
   std::string cur;
   for (size_t i = 0; i < parts.size(); ++i) {
     if (i + 1 == parts.size() && !include_last) break;
+    const std::string parent_rel = cur.empty() ? "" : cur.substr(1);
+    UniqueFd parent(OpenInRoot(root, parent_rel, O_PATH | O_DIRECTORY, 0, no_symlinks));
     cur += "/" + parts[i];
-    if (mkdirat(dir.get(), parts[i].c_str(), 0755) != 0 && errno != EEXIST) {
-      return ErrnoStatus(errno, "creating directory", cur);
-    }
-    int next = openat(dir.get(), parts[i].c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (next < 0) {
-      if (errno == ELOOP || errno == ENOTDIR) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(cur, " is a symlink or not a directory; not following it"));
+    if (!parent) {
+      if (errno == ELOOP || errno == ENOTDIR || errno == EXDEV) {
+        return absl::FailedPreconditionError(absl::StrCat(cur, ": a symlink or not a directory on the way; not following it"));
       }
       return ErrnoStatus(errno, "open", cur);
     }
-    dir.Reset(next);
-  }
-  return absl::OkStatus();
-}
-
-// mkdir -p for the parents of path (and path itself if include_last), mode 0755.
-absl::Status MakeDirs(const std::string& path, bool include_last) {
-  std::string cur;
-  std::vector<std::string> parts = absl::StrSplit(path.substr(1), '/');
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (i + 1 == parts.size() && !include_last) break;
-    cur += "/" + parts[i];
-    if (mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST) {
+    if (mkdirat(parent.get(), parts[i].c_str(), 0755) != 0 && errno != EEXIST) {
       return ErrnoStatus(errno, "creating directory", cur);
     }
   }
@@ -133,21 +130,26 @@ absl::StatusOr<std::string> RealPathOfFd(int fd) {
 }
 
 absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, HostPathType type,
-                                                    bool untrusted) {
+                                                    bool untrusted, const std::string& host_root) {
   if (auto s = ValidateHostPath(path); !s.ok()) return s;
-  auto make_dirs = untrusted ? MakeDirsNoFollow : MakeDirs;
+  const std::string root_path = host_root.empty() ? "/" : host_root;
+  UniqueFd root(open(root_path.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!root) return ErrnoStatus(errno, "opening the host root", root_path);
+  const std::string rel = path.substr(1);
   if (type == HostPathType::kDirectoryOrCreate) {
-    if (auto s = make_dirs(path, /*include_last=*/true); !s.ok()) return s;
+    if (auto s = MakeDirsInRoot(root.get(), path, /*include_last=*/true, untrusted); !s.ok()) return s;
   } else if (type == HostPathType::kFileOrCreate) {
-    if (auto s = make_dirs(path, /*include_last=*/false); !s.ok()) return s;
-    int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (auto s = MakeDirsInRoot(root.get(), path, /*include_last=*/false, untrusted); !s.ok()) return s;
+    int fd = OpenInRoot(root.get(), rel, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0644, untrusted);
     if (fd >= 0) {
       close(fd);
     } else if (errno != EEXIST) {
       return ErrnoStatus(errno, "creating file", path);
     }
   }
-  int fd = open(path.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  // Opening may follow symlinks (beneath the host root): the caller checks where an untrusted
+  // path really led (RealPathOfFd) against its allowed prefixes. Creating never follows one.
+  int fd = OpenInRoot(root.get(), rel, O_PATH | O_NOFOLLOW, 0, /*no_symlinks=*/false);
   if (fd < 0) {
     if (errno == ENOENT) {
       return absl::NotFoundError(absl::StrCat("hostPath ", path, " does not exist",
@@ -182,6 +184,16 @@ absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, Hos
                                                       " expects ", Describe(want)));
   }
   return OpenedHostPath{std::move(opened), kind == S_IFDIR};
+}
+
+std::string ContainerRootProblem(const std::string& host_root) {
+  if (!host_root.empty()) return "";
+  constexpr long kOverlayfsMagic = 0x794c7630;
+  struct statfs sf{};
+  if (statfs("/", &sf) != 0 || static_cast<long>(sf.f_type) != kOverlayfsMagic) return "";
+  return "the agent's root filesystem is an overlay (a container image): hostPath volumes would be "
+         "resolved (and ...OrCreate paths created) inside the container, not on the node. Mount the "
+         "node's / into the container (k8s/ mounts it at /host) and pass --host_root=/host";
 }
 
 }  // namespace fusekeeper

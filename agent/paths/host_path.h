@@ -38,9 +38,16 @@ struct OpenedHostPath {
 // as kubelet does), then opens and checks. A wrong type → FAILED_PRECONDITION saying what was
 // expected and what was found; a final-component symlink is refused (give the real path);
 // a missing path → NOT_FOUND. With `untrusted` (a path a pod author chose), creation follows no
-// symlink in any component either.
+// symlink in any component (the caller checks where an opened path really is). `host_root` (empty: "/") is where the node's root is: the agent in
+// its DaemonSet container sees the node at /host, and every path is resolved beneath it
+// (openat2 RESOLVE_IN_ROOT: even an absolute symlink cannot lead out into the container's root).
 absl::StatusOr<OpenedHostPath> OpenHostPathBlocking(const std::string& path, HostPathType type,
-                                                    bool untrusted = false);
+                                                    bool untrusted = false, const std::string& host_root = "");
+
+// Blocking. Why host paths would resolve in a container's root filesystem instead of the node's
+// (empty: they would not): the agent's "/" is an overlay filesystem (a container image) and no
+// host root was given.
+std::string ContainerRootProblem(const std::string& host_root);
 
 // Pure: whether `path` is `prefix` or below it (component-wise; both normalised absolute paths).
 bool IsAtOrBelow(absl::string_view path, absl::string_view prefix);

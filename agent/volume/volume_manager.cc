@@ -284,7 +284,7 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
       store_(store),
       table_reader_(table_reader),
       options_(options),
-      ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes},
+      ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes, options.host_root},
       own_probe_pool_(probe_pool != nullptr
                           ? nullptr
                           : std::make_unique<BlockingPool>(

@@ -55,8 +55,9 @@ struct RecoveryHooks {
 struct VolumeManagerOptions {
   // NodeGetVolumeStats answers `abnormal` if statfs has not returned by then.
   absl::Duration stats_timeout = absl::Seconds(5);
-  // See VolumeOpsContext::ephemeral_host_path_prefixes.
+  // See VolumeOpsContext::ephemeral_host_path_prefixes and host_root.
   std::vector<std::string> ephemeral_host_path_prefixes;
+  std::string host_root;
   // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
   std::string socket_dir = "/var/lib/fusekeeper/sockets";
   // A FUSE volume no server has claimed by then has its connection aborted (it stays mounted and

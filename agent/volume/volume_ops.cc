@@ -144,7 +144,7 @@ absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::
                                             const BindOptions& bind) {
   auto type = ParseHostPathType(v.host_path_type());
   if (!type.ok()) return type.status();
-  auto source = OpenHostPathBlocking(v.host_path(), *type);
+  auto source = OpenHostPathBlocking(v.host_path(), *type, /*untrusted=*/false, ctx.host_root);
   if (!source.ok()) return source.status();
   struct stat st;
   if (fstat(source->fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", v.host_path());
@@ -218,11 +218,15 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   } else {
     auto type = ParseHostPathType(v.host_path_type());
     if (!type.ok()) return type.status();
-    auto opened = OpenHostPathBlocking(v.host_path(), *type, /*untrusted=*/true);
+    auto opened = OpenHostPathBlocking(v.host_path(), *type, /*untrusted=*/true, ctx.host_root);
     if (!opened.ok()) return opened.status();
     // The check that matters is on what was opened: symlinks cannot lead it elsewhere.
     auto real = RealPathOfFd(opened->fd.get());
     if (!real.ok()) return real.status();
+    // As the node names it: the agent sees the node's root at host_root.
+    if (!ctx.host_root.empty() && IsAtOrBelow(*real, ctx.host_root)) {
+      *real = real->size() == ctx.host_root.size() ? "/" : real->substr(ctx.host_root.size());
+    }
     if (!EphemeralHostPathAllowed(ctx, *real)) {
       return absl::PermissionDeniedError(absl::StrCat(
           "hostPath ", v.host_path(), " resolves to ", *real,

@@ -23,6 +23,9 @@ struct VolumeOpsContext {
   // Where unstaged (ephemeral inline) host-path volumes may come from; empty: nowhere. A pod
   // author chooses those paths, so the opened object's real path must be below one of these.
   std::vector<std::string> ephemeral_host_path_prefixes;
+  // Where the node's root is in the agent's view ("": the agent runs in the node's root); host
+  // paths resolve beneath it (see OpenHostPathBlocking).
+  std::string host_root;
 };
 
 // Whether an unstaged host-path volume may come from `path` (see ephemeral_host_path_prefixes).

@@ -1,6 +1,7 @@
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -156,6 +157,47 @@ TEST_F(HostPathTypesTest, OrCreateCreatesWithKubeletModesThenChecks) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(OpenHostPathBlocking(d_.path() + "/nope", HostPathType::kDirectory).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// The agent in its container sees the node's root at --host_root: host paths resolve and are
+// created beneath it, never in the container's own root, and no symlink leads out of it.
+TEST(HostRootTest, PathsResolveAndAreCreatedBeneathTheHostRoot) {
+  ShortTempDir host;  // stands in for the node's "/" as the container sees it (/host)
+  // DirectoryOrCreate: created on the "node", not in the agent's root.
+  auto dir = OpenHostPathBlocking("/srv/data/x", HostPathType::kDirectoryOrCreate, false, host.path());
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  struct stat st;
+  EXPECT_EQ(stat((host.path() + "/srv/data/x").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_NE(stat("/srv/data/x", &st), 0) << "created in the agent's own root";
+  // FileOrCreate too.
+  ASSERT_TRUE(OpenHostPathBlocking("/srv/f", HostPathType::kFileOrCreate, false, host.path()).ok());
+  EXPECT_EQ(stat((host.path() + "/srv/f").c_str(), &st), 0);
+  // The node's absolute symlinks resolve on the node: /srv/link -> /etc means <host>/etc.
+  ASSERT_EQ(symlink("/etc", (host.path() + "/srv/link").c_str()), 0);
+  auto through = OpenHostPathBlocking("/srv/link/passwd", HostPathType::kFile, false, host.path());
+  EXPECT_EQ(through.status().code(), absl::StatusCode::kNotFound)
+      << "resolved into the agent's /etc instead of the node's: " << through.status();
+  mkdir((host.path() + "/etc").c_str(), 0755);
+  { std::ofstream(host.path() + "/etc/passwd") << "node's"; }
+  through = OpenHostPathBlocking("/srv/link/passwd", HostPathType::kFile, false, host.path());
+  ASSERT_TRUE(through.ok()) << through.status();
+  auto real = RealPathOfFd(through->fd.get());
+  ASSERT_TRUE(real.ok());
+  EXPECT_EQ(*real, host.path() + "/etc/passwd");
+  // A pod author's path is created through no symlink (where an opened one led is checked by the
+  // caller against its allowed prefixes, with the real path as above).
+  EXPECT_EQ(OpenHostPathBlocking("/srv/link/new", HostPathType::kDirectoryOrCreate, true, host.path()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(HostRootTest, AnOverlayRootWithoutAHostRootIsNamedAsAContainerRoot) {
+  // This test's own root is the node's (not an overlay): nothing to say.
+  struct statfs sf{};
+  ASSERT_EQ(statfs("/", &sf), 0);
+  if (static_cast<long>(sf.f_type) == 0x794c7630) GTEST_SKIP() << "this test itself runs in an overlay root";
+  EXPECT_EQ(ContainerRootProblem(""), "");
+  EXPECT_EQ(ContainerRootProblem("/host"), "");
 }
 
 }  // namespace
