@@ -106,15 +106,18 @@ TEST(AgentProcessTest, EndpointFromCsiEndpointEnvironment) {
   EXPECT_EQ(ExitCode(agent.Wait(kExitDeadline)), 0);
 }
 
+// An agent that was serving on `sock` with state in `dir`, killed with SIGKILL.
+void CrashAnAgent(const ShortTempDir& dir, const std::string& sock) {
+  Subprocess crashed(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
+  ASSERT_TRUE(WaitReady(Dial(sock))) << crashed.Stderr();
+  crashed.Signal(SIGKILL);
+  ASSERT_TRUE(crashed.Wait(kExitDeadline).has_value());
+}
+
 TEST(AgentProcessTest, ReplacesAStaleSocketFromACrashedAgent) {
   ShortTempDir dir;
   const std::string sock = dir.path() + "/csi.sock";
-  {
-    Subprocess crashed(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
-    ASSERT_TRUE(WaitReady(Dial(sock))) << crashed.Stderr();
-    crashed.Signal(SIGKILL);
-    ASSERT_TRUE(crashed.Wait(kExitDeadline).has_value());
-  }
+  ASSERT_NO_FATAL_FAILURE(CrashAnAgent(dir, sock));
   ASSERT_EQ(access(sock.c_str(), F_OK), 0) << "kill -9 should leave the socket file behind";
   Subprocess agent(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
   auto ch = Dial(sock);
@@ -158,12 +161,7 @@ TEST(AgentProcessTest, TwoAgentsStartedTogetherNeverBothRun) {
   for (int round = 0; round < 10; ++round) {
     ShortTempDir dir;
     const std::string sock = dir.path() + "/csi.sock";
-    {
-      Subprocess crashed(AgentCmd(dir, {"--endpoint=unix://" + sock, "--node_id=n"}));
-      ASSERT_TRUE(WaitReady(Dial(sock))) << crashed.Stderr();
-      crashed.Signal(SIGKILL);
-      ASSERT_TRUE(crashed.Wait(kExitDeadline).has_value());
-    }
+    ASSERT_NO_FATAL_FAILURE(CrashAnAgent(dir, sock));
     const std::vector<std::string> flags = {"--endpoint=unix://" + sock, "--node_id=n", "--state_lock_wait_ms=0"};
     Subprocess a(AgentCmd(dir, flags)), b(AgentCmd(dir, flags));
     ASSERT_TRUE(WaitReady(Dial(sock)));

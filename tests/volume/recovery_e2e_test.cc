@@ -87,21 +87,29 @@ class RecoveryE2ETest : public FuseE2ETest {
     server.reset();
   }
 
-  std::string staging_, socket_;
+  // The API server (and kubelet) double, with the agent's service account secrets for it in
+  // secrets_ and the in-cluster environment set for the next StartAgent.
+  FakeKube& StartKube() {
+    const std::string kube_dir = root_.path() + "/kube";
+    fs::create_directories(kube_dir);
+    kube_ = std::make_unique<FakeKube>(kube_dir);
+    EXPECT_TRUE(kube_->ok()) << kube_->Diagnostics();
+    secrets_ = root_.path() + "/secrets";
+    fs::create_directories(secrets_);
+    fs::copy_file(kube_->ca_file(), secrets_ + "/ca.crt");
+    { std::ofstream(secrets_ + "/token") << "agent-token"; }
+    agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube_->port())};
+    return *kube_;
+  }
+
+  std::string staging_, socket_, secrets_;
+  std::unique_ptr<FakeKube> kube_;
 };
 
 TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNeverFail) {
   // The API server double receives the Events, over HTTPS verified with its CA.
-  const std::string kube_dir = root_.path() + "/kube";
-  fs::create_directories(kube_dir);
-  FakeKube kube(kube_dir);
-  ASSERT_TRUE(kube.ok()) << kube.Diagnostics();
-  const std::string secrets = root_.path() + "/secrets";
-  fs::create_directories(secrets);
-  fs::copy_file(kube.ca_file(), secrets + "/ca.crt");
-  { std::ofstream(secrets + "/token") << "agent-token"; }
-  agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube.port())};
-  StartAgent({"--kube_secrets_dir=" + secrets, "--metrics_address=127.0.0.1:0"});
+  FakeKube& kube = StartKube();
+  StartAgent({"--kube_secrets_dir=" + secrets_, "--metrics_address=127.0.0.1:0"});
   auto [t1, t2] = StageAndPublishTwo("adopt-1");
   Subprocess* first = StartServer(socket_);
   Reader r1(t1 + "/hello.txt");
@@ -403,14 +411,7 @@ TEST_F(RecoveryE2ETest, ASidecarStoppedForPodDeletionIsNoWarningButACrashIs) {
 }
 
 TEST_F(RecoveryE2ETest, PodsWhoseContainersRecoveryCannotReachAreNamed) {
-  const std::string kube_dir = root_.path() + "/kube";
-  fs::create_directories(kube_dir);
-  FakeKube kube(kube_dir);
-  ASSERT_TRUE(kube.ok()) << kube.Diagnostics();
-  const std::string secrets = root_.path() + "/secrets";
-  fs::create_directories(secrets);
-  fs::copy_file(kube.ca_file(), secrets + "/ca.crt");
-  { std::ofstream(secrets + "/token") << "agent-token"; }
+  FakeKube& kube = StartKube();
   // Pod "web" mounts an inline volume of ours and a claim bound to a PV of ours; container
   // "app" without propagation, "good" with it. The claim is answered by the API server double.
   kube.SetPods(R"({"kind":"PodList","items":[
@@ -420,8 +421,7 @@ TEST_F(RecoveryE2ETest, PodsWhoseContainersRecoveryCannotReachAreNamed) {
              "containers":[{"name":"app","volumeMounts":[{"name":"data","mountPath":"/d"},{"name":"claimed","mountPath":"/c"}]},
                            {"name":"good","volumeMounts":[{"name":"data","mountPath":"/d","mountPropagation":"HostToContainer"}]}]}}]})");
   kube.SetPvcs({{"default/my-claim", "pv-9"}});
-  agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube.port())};
-  StartAgent({"--kube_secrets_dir=" + secrets, "--metrics_address=127.0.0.1:0", "--kubelet_url=" + kube.url() + "/pods",
+  StartAgent({"--kube_secrets_dir=" + secrets_, "--metrics_address=127.0.0.1:0", "--kubelet_url=" + kube.url() + "/pods",
               "--kubelet_ca_file=" + kube.ca_file(), "--kubelet_poll_period_ms=50"});
   ASSERT_RPC_OK(PublishInline("inline-w", "pod-w", Pod("pod-w", "data")));
   const std::string staging = StagingPath("vol-9");
@@ -490,10 +490,7 @@ TEST_F(RecoveryE2ETest, AgentKilledRightAfterStackingAFreshConnectionHealsAfterR
 }
 
 TEST_F(RecoveryE2ETest, AServerOfATerminatingPodStoppingIsNoWarning) {
-  const std::string kube_dir = root_.path() + "/kube";
-  fs::create_directories(kube_dir);
-  FakeKube kube(kube_dir);
-  ASSERT_TRUE(kube.ok()) << kube.Diagnostics();
+  FakeKube& kube = StartKube();
   // The kubelet lists the pod as being deleted.
   kube.SetPods(R"({"kind":"PodList","items":[
     {"metadata":{"namespace":"default","name":"bye","uid":"pod-bye","deletionTimestamp":"2026-11-23T00:00:00Z"}}]})");
