@@ -335,6 +335,46 @@ TEST_F(FuseE2ETest, AServerInAnotherPidNamespaceIsNamedByItsUid) {
   ASSERT_RPC_OK(Unpublish("ns-1", target));
 }
 
+// Kubelet publishes one staged FUSE volume into many pods at once and retries each publish
+// (ABORTED included): every target ends with exactly one mount that reads through the server,
+// repeats of the same target never stack a second one, and everything unpublishes cleanly.
+TEST_F(FuseE2ETest, ConcurrentPublishesOfOneStagedVolumeNeverStackAMount) {
+  StartAgent();
+  const std::string staging = StagingPath("many");
+  ASSERT_RPC_OK(StageFuse("many", staging));
+  StartServer(StagedSocket("many"));
+  constexpr int kPods = 16;
+  std::vector<std::string> targets;
+  for (int i = 0; i < kPods; ++i) targets.push_back(Pod("pod-" + std::to_string(i), "many"));
+  auto publish_until_ok = [&](int i) {
+    grpc::Status s;
+    for (auto deadline = std::chrono::steady_clock::now() + kTestDeadline; std::chrono::steady_clock::now() < deadline;) {
+      s = PublishStaged("many", staging, targets[static_cast<size_t>(i)], "p" + std::to_string(i), "pod-" + std::to_string(i));
+      if (s.error_code() != grpc::ABORTED) break;
+    }
+    return s;
+  };
+  std::vector<std::future<grpc::Status>> calls;
+  for (int round = 0; round < 2; ++round) {  // each target published twice, concurrently
+    for (int i = 0; i < kPods; ++i) calls.push_back(std::async(std::launch::async, publish_until_ok, i));
+  }
+  for (auto& c : calls) {
+    grpc::Status s = c.get();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  for (const auto& t : targets) {
+    EXPECT_EQ(MountCountAt(t), 1) << t;
+    auto got = WithDeadline([&] { return ReadFile(t + "/hello.txt"); });
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(*got, "hello from the export\n");
+  }
+  for (const auto& t : targets) ASSERT_RPC_OK(Unpublish("many", t));
+  ASSERT_RPC_OK(Unstage("many", staging));
+  for (const auto& t : targets) EXPECT_EQ(MountCountAt(t), 0);
+  EXPECT_EQ(MountCountAt(staging), 0);
+  EXPECT_TRUE(fs::is_empty(state_ + "/volumes"));
+}
+
 // kill -9 at each step of a FUSE volume's life between a mount syscall and the state write,
 // restart, retry what kubelet would retry, serve, read, tear down: never a leaked mount, socket
 // or state file, and never a volume that kubelet's retries cannot bring back.
