@@ -36,10 +36,29 @@
 DEFINE_string(socket, "", "the volume's handoff socket (from the agent)");
 DEFINE_string(root, "", "serve: the directory to export");
 DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused");
+DEFINE_string(ready_file, "",
+              "created once the volume is served (removed when serving ends); `fkserve "
+              "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "
+              "containers start only after the handoff");
 
 namespace {
 
 using fusekeeper::UniqueFd;
+
+// The --ready_file marker: created when serving starts, removed when it ends.
+void MarkReady(bool ready) {
+  if (FLAGS_ready_file.empty()) return;
+  if (!ready) {
+    unlink(FLAGS_ready_file.c_str());
+    return;
+  }
+  int fd = open(FLAGS_ready_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    fprintf(stderr, "fkserve: creating --ready_file %s: %s\n", FLAGS_ready_file.c_str(), strerror(errno));
+    return;
+  }
+  close(fd);
+}
 
 int Fail(int code, const std::string& message) {
   fprintf(stderr, "fkserve: %s\n", message.c_str());
@@ -99,6 +118,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const std::vector<std::string>& p
     return Fail(127, why);
   }
   Reply(sock, true, "");
+  MarkReady(true);
   // The connection stays open while the program serves (and is re-deposited with a restarted
   // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
   // there is none to re-deposit: its successors get a fresh connection.
@@ -107,6 +127,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const std::vector<std::string>& p
   link.Start();
   int status = 0;
   waitpid(child, &status, 0);
+  MarkReady(false);
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
     link.Report(true, "");
     return 0;
@@ -140,9 +161,15 @@ int main(int argc, char** argv) {
   gflags::SetVersionString(fusekeeper::kVersion);
   gflags::SetUsageMessage(
       "fkserve --socket=<handoff socket> serve --root=<dir>\n"
-      "fkserve --socket=<handoff socket> launch -- <program> [args with {fd}]");
+      "fkserve --socket=<handoff socket> launch -- <program> [args with {fd}]\n"
+      "fkserve --ready_file=<file> ready   (a startupProbe: 0 once serving)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (mode.empty()) return Fail(2, gflags::ProgramUsage());
+  if (mode == "ready") {
+    if (FLAGS_ready_file.empty()) return Fail(2, "ready needs --ready_file");
+    if (access(FLAGS_ready_file.c_str(), F_OK) == 0) return 0;
+    return Fail(1, absl::StrCat("not serving yet (no ", FLAGS_ready_file, ")"));
+  }
   if (mode != "serve" && mode != "launch") return Fail(2, absl::StrCat("unknown mode '", mode, "'"));
   if (FLAGS_socket.empty()) return Fail(2, "--socket is required");
   if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
@@ -221,7 +248,9 @@ int main(int argc, char** argv) {
   fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(msg->fd.get(), F_DUPFD_CLOEXEC, 3)),
                              options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
   link.Start();
+  MarkReady(true);
   absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
+  MarkReady(false);
   link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
   if (!s.ok()) return Fail(5, std::string(s.message()));
   return 0;

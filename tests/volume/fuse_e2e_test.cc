@@ -375,6 +375,27 @@ TEST_F(FuseE2ETest, ConcurrentPublishesOfOneStagedVolumeNeverStackAMount) {
   EXPECT_TRUE(fs::is_empty(state_ + "/volumes"));
 }
 
+// The sidecar's startupProbe: `fkserve ready` says 0 only while the volume is served.
+TEST_F(FuseE2ETest, TheReadyFileTracksServingForAStartupProbe) {
+  StartAgent();
+  const std::string target = Pod("pod-r", "ready-1");
+  // In the pod's emptyDir, as the example sidecar has it (writable by the server's uid).
+  const std::string ready = PodSocket("pod-r").substr(0, PodSocket("pod-r").rfind('/')) + "/fkserve.ready";
+  auto probe = [&] {
+    Subprocess p({fkserve_, "--ready_file=" + ready, "ready"});
+    auto status = p.Wait(std::chrono::milliseconds(20000));
+    return status && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
+  };
+  EXPECT_EQ(probe(), 1) << "nothing served yet";
+  ASSERT_RPC_OK(PublishInline("ready-1", "pod-r", target));
+  Subprocess* server = StartServer(PodSocket("pod-r"), {"--ready_file=" + ready, "serve", "--root=" + export_});
+  ASSERT_TRUE(WithDeadline([&] { return ReadFile(target + "/hello.txt"); }).has_value());
+  EXPECT_EQ(probe(), 0) << server->Stderr();
+  ASSERT_RPC_OK(Unpublish("ready-1", target));
+  ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+  EXPECT_EQ(probe(), 1) << "serving ended";
+}
+
 // kill -9 at each step of a FUSE volume's life between a mount syscall and the state write,
 // restart, retry what kubelet would retry, serve, read, tear down: never a leaked mount, socket
 // or state file, and never a volume that kubelet's retries cannot bring back.
