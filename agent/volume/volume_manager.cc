@@ -349,6 +349,19 @@ absl::Status VolumeManager::Claim(const std::string& volume_id) {
   return absl::OkStatus();
 }
 
+void VolumeManager::Release(const std::string& volume_id) {
+  busy_.erase(volume_id);
+  auto it = waiters_.find(volume_id);
+  if (it == waiters_.end()) return;
+  std::shared_ptr<Waiter> next = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) waiters_.erase(it);
+  loop_.CancelTimer(next->timer);
+  // Run after the current callback: the finished operation's `done` answers first. The waiter
+  // starts from scratch (it sees the state the finished operation left).
+  loop_.Post([next] { next->run(std::move(next->done)); });
+}
+
 void VolumeManager::RunVolumeJob(
     const std::string& volume_id, std::string reason,
     absl::AnyInvocable<absl::StatusOr<std::optional<state::Volume>>()> work, Done done) {
@@ -479,7 +492,7 @@ void VolumeManager::ListenAgain() {
         "handoff socket after restart",
         [ctx = ctx_, v = v, listen] { *listen = ListenForServerBlocking(ctx, v); },
         [this, id = id, path, listen](absl::Status ran) {
-          busy_.erase(id);
+          Release(id);
           auto it = volumes_.find(id);
           if (!ran.ok() || it == volumes_.end()) return;
           if (!listen->ok()) {
@@ -489,7 +502,7 @@ void VolumeManager::ListenAgain() {
           StartEndpoint(it->second, path, UniqueFd(), std::move(**listen), {}, {}, /*unclaimed_timeout=*/false);
         });
     if (!s.ok()) {
-      busy_.erase(id);
+      Release(id);
       LOG(WARNING) << s;
     }
   }
@@ -519,7 +532,7 @@ void VolumeManager::OnHandoffTimeout(const std::string& volume_id, const std::st
   }
   auto it = volumes_.find(volume_id);
   if (it == volumes_.end()) {
-    busy_.erase(volume_id);
+    Release(volume_id);
     return;
   }
   // The mount stays a mount: unmounting it would leave the pod writing to a plain directory on
@@ -544,12 +557,13 @@ void VolumeManager::OnHandoffTimeout(const std::string& volume_id, const std::st
   absl::Status s = pool_.Submit(
       "handoff timeout: abort the unserved connection",
       [ctx = ctx_, path, id, base] { AbortConnectionsAtBlocking(*ctx.kubelet, path, {id.dev_minor(), base.dev_minor()}); },
-      [this, volume_id](absl::Status) { busy_.erase(volume_id); });
-  if (!s.ok()) busy_.erase(volume_id);
+      [this, volume_id](absl::Status) { Release(volume_id); });
+  if (!s.ok()) Release(volume_id);
 }
 
 void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
+  if (WaitTurn(id, req, done, &VolumeManager::Stage)) return;
   auto spec = ParseSpec(req.volume_context(), req.volume_capability());
   if (!spec.ok()) return done(spec.status());
   if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
@@ -594,7 +608,7 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
   if (spec->kind == kKindFuse) {
     if (repeat) {
       // Already mounted by us: nothing to redo (a lost mount is the recovery work's to heal).
-      busy_.erase(id);
+      Release(id);
       return done(absl::OkStatus());
     }
     v.mutable_fuse()->set_socket_path(
@@ -635,6 +649,7 @@ void VolumeManager::StageFuse(const csi::v1::NodeStageVolumeRequest& req, state:
 
 void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
+  if (WaitTurn(id, req, done, &VolumeManager::Unstage)) return;
   if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
     return done(rel.status());
   }
@@ -684,6 +699,7 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
 
 void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
+  if (WaitTurn(id, req, done, &VolumeManager::Publish)) return;
   const std::string& target = req.target_path();
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
   const bool staged = !req.staging_target_path().empty();
@@ -781,7 +797,7 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
   if (auto s = Claim(id); !s.ok()) return done(s);
   if (fuse_inline) {
     if (repeat) {
-      busy_.erase(id);
+      Release(id);
       return done(absl::OkStatus());
     }
     const std::string pod_uid = Get(req.volume_context(), kPodUidKey);
@@ -796,7 +812,7 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
           "server sidecar: ", s2.message()));
     }
     if (!bad.ok()) {
-      busy_.erase(id);
+      Release(id);
       return done(bad);
     }
     v.mutable_fuse()->set_socket_path(absl::StrCat(kubelet_.path(), "/pods/", pod_uid,
@@ -839,6 +855,7 @@ void VolumeManager::PublishFuseInline(const csi::v1::NodePublishVolumeRequest& r
 
 void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
+  if (WaitTurn(id, req, done, &VolumeManager::Unpublish)) return;
   const std::string& target = req.target_path();
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
   if (auto s = Claim(id); !s.ok()) return done(s);

@@ -11,6 +11,7 @@
 //    unclaimed volume is torn down after handoff_timeout.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -78,6 +79,12 @@ struct VolumeManagerOptions {
   // volume costs one parked thread), up to max_probe_threads.
   int probe_threads = 2;
   int max_probe_threads = 1024;
+  // RPCs on a volume with an operation in flight wait their turn (FIFO) instead of getting
+  // ABORTED, which kubelet would answer with an exponential backoff of up to two minutes. At most
+  // max_queued_per_volume wait (more: RESOURCE_EXHAUSTED), each for at most max_queue_wait (then
+  // ABORTED naming what it waited behind).
+  int max_queued_per_volume = 256;
+  absl::Duration max_queue_wait = absl::Seconds(60);
   // A failed repair is retried after this, doubling up to max_repair_backoff.
   absl::Duration repair_backoff = absl::Milliseconds(200);
   absl::Duration max_repair_backoff = absl::Seconds(30);
@@ -135,6 +142,14 @@ class VolumeManager {
  private:
   // Marks volume_id busy for the duration; ABORTED if it already is, UNAVAILABLE before Start.
   absl::Status Claim(const std::string& volume_id);
+  // Ends a claim; the next RPC waiting for the volume runs.
+  void Release(const std::string& volume_id);
+  // If volume_id is busy, queues `method(req, done)` to run when it is free and returns true
+  // (`done` is then owned by the queue: answered by the method, or with an error if the wait is
+  // too long or the queue full). False: not busy, go ahead.
+  template <typename Req>
+  bool WaitTurn(const std::string& volume_id, const Req& req, Done& done,
+                void (VolumeManager::*method)(const Req&, Done));
   // Runs `work` on the pool; then, on the loop, releases the claim and passes its result to
   // `adopt` (which stores state, starts endpoints...) and adopt's status to done.
   template <typename T>
@@ -192,6 +207,12 @@ class VolumeManager {
   bool ready_ = false;
   std::map<std::string, state::Volume> volumes_;
   std::unordered_set<std::string> busy_;
+  struct Waiter {
+    absl::AnyInvocable<void(Done)> run;
+    Done done;
+    TimerId timer = 0;
+  };
+  std::map<std::string, std::deque<std::shared_ptr<Waiter>>> waiters_;  // per busy volume, FIFO
   struct Endpoint {
     std::shared_ptr<HandoffEndpoint> endpoint;
     TimerId timeout = 0;
@@ -241,15 +262,47 @@ void VolumeManager::RunJob(const std::string& volume_id, std::string reason,
   absl::Status s = pool_.Submit(
       std::move(reason), [job] { job->result = job->work(); },
       [this, volume_id, job](absl::Status ran) {
-        busy_.erase(volume_id);
+        Release(volume_id);
         if (!ran.ok()) return job->done(ran);
         if (!job->result.ok()) return job->done(job->result.status());
         job->done(job->adopt(std::move(*job->result)));
       });
   if (!s.ok()) {
-    busy_.erase(volume_id);
+    Release(volume_id);
     job->done(s);
   }
+}
+
+template <typename Req>
+bool VolumeManager::WaitTurn(const std::string& volume_id, const Req& req, Done& done,
+                             void (VolumeManager::*method)(const Req&, Done)) {
+  if (!ready_ || busy_.count(volume_id) == 0) return false;
+  auto& queue = waiters_[volume_id];
+  if (static_cast<int>(queue.size()) >= options_.max_queued_per_volume) {
+    done(absl::ResourceExhaustedError(absl::StrCat(queue.size(), " RPCs already wait for volume ", volume_id,
+                                                   "; retry later")));
+    return true;
+  }
+  auto w = std::make_shared<Waiter>();
+  w->run = [this, req, method](Done d) { (this->*method)(req, std::move(d)); };
+  w->done = std::move(done);
+  const absl::Time since = absl::Now();
+  w->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.max_queue_wait), [this, volume_id, w, since] {
+    auto it = waiters_.find(volume_id);
+    if (it == waiters_.end()) return;
+    auto& q = it->second;
+    for (auto i = q.begin(); i != q.end(); ++i) {
+      if (*i != w) continue;
+      q.erase(i);
+      if (q.empty()) waiters_.erase(it);
+      w->done(absl::AbortedError(absl::StrCat("waited ", absl::FormatDuration(absl::Now() - since),
+                                              " for an operation on volume ", volume_id,
+                                              " (an RPC or a repair) that has not finished; retry")));
+      return;
+    }
+  });
+  queue.push_back(std::move(w));
+  return true;
 }
 
 }  // namespace fusekeeper
