@@ -130,7 +130,10 @@ absl::Status ValidateNodeUnpublish(const csi::v1::NodeUnpublishVolumeRequest& re
 
 absl::Status ValidateNodeGetVolumeStats(const csi::v1::NodeGetVolumeStatsRequest& req) {
   if (auto s = CheckId(req.volume_id(), "volume_id"); !s.ok()) return s;
-  if (auto s = CheckPath(req.volume_path(), "volume_path", true); !s.ok()) return s;
+  // Only presence here: for a volume this node does not know the spec (and csi-sanity) want
+  // NOT_FOUND whatever the path looks like, and a known volume not mounted at the path is
+  // NOT_FOUND too (the manager compares the path with where it mounted the volume).
+  if (req.volume_path().empty()) return absl::InvalidArgumentError("volume_path is required");
   return CheckPath(req.staging_target_path(), "staging_target_path", false);
 }
 

@@ -219,6 +219,11 @@ TEST_F(CsiSanityTest, NodeGetVolumeStatsFailsWhenVolumeIsNotFound) {
   NodeGetVolumeStatsResponse resp;
   auto ctx = Ctx();
   EXPECT_EQ(node()->NodeGetVolumeStats(ctx.get(), r, &resp).error_code(), grpc::NOT_FOUND);
+  // Whatever the path looks like (the conformance suite sends a relative one).
+  r.set_volume_path("some/relative/path");
+  auto ctx2 = Ctx();
+  grpc::Status s = node()->NodeGetVolumeStats(ctx2.get(), r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::NOT_FOUND) << s.error_message();
 }
 
 // csi-sanity's node-only cycle ("should work", "should be idempotent", "should remove target
