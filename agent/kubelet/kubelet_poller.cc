@@ -1,5 +1,6 @@
 #include "agent/kubelet/kubelet_poller.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
@@ -50,7 +51,17 @@ void KubeletPoller::Send() {
       return Schedule(options_.period);
     }
     ++errors_;
-    backoff_ = backoff_ == absl::ZeroDuration() ? options_.period : std::min(backoff_ * 2, options_.max_backoff);
+    // A kubelet that is not listening (down, restarting, the agent started first) costs nothing
+    // to ask again: keep the normal period, so container restarts are seen as soon as it is
+    // back. Only a kubelet that answers badly (or slowly) is backed off from.
+    const bool not_listening = !res.ok() && absl::IsUnavailable(res.status()) &&
+                               (absl::StrContains(res.status().message(), "onnect") ||
+                                absl::StrContains(res.status().message(), "refused"));
+    if (not_listening) {
+      backoff_ = options_.period;
+    } else {
+      backoff_ = backoff_ == absl::ZeroDuration() ? options_.period : std::min(backoff_ * 2, options_.max_backoff);
+    }
     LOG(WARNING) << "polling the kubelet at " << options_.url << ": " << why << "; next try in " << backoff_
                  << " (recovery still works from mount-table and FUSE connection events)";
     if (on_error_) on_error_(why);

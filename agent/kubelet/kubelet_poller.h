@@ -39,6 +39,8 @@ class KubeletPoller {
   void Start();
   int64_t polls() const { return polls_; }
   int64_t errors() const { return errors_; }
+  // The wait before the next poll after an error (loop thread).
+  absl::Duration backoff() const { return backoff_; }
 
  private:
   void Poll();

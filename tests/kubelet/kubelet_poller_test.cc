@@ -3,6 +3,7 @@
 #include "agent/kubelet/kubelet_poller.h"
 
 #include <filesystem>
+#include <atomic>
 #include <fstream>
 #include <future>
 
@@ -101,6 +102,29 @@ TEST_F(KubeletPollerTest, RefusalsGarbageAndSlownessAreErrorsWithBackoffThenItRe
   kube_->SetMode("ok");
   kube_->SetPods(OnePod(3));
   ASSERT_TRUE(WaitFor([&] { return !restarts_.empty(); })) << "recovered after the kubelet came back";
+}
+
+// A kubelet that is down is asked again every period, not after a backoff of up to minutes:
+// container restarts are seen as soon as it is back.
+TEST_F(KubeletPollerTest, AKubeletThatIsNotListeningIsAskedAgainEveryPeriod) {
+  std::unique_ptr<KubeletPoller> down;
+  std::atomic<int> errors{0};
+  lt_.RunOnLoop([&] {
+    KubeletPollerOptions o;
+    o.url = "https://127.0.0.1:1/pods";  // nothing listens
+    o.period = absl::Milliseconds(20);
+    o.max_backoff = absl::Seconds(120);
+    down = std::make_unique<KubeletPoller>(lt_.loop(), *http_, *pool_, o, [](const ContainerRestart&) {},
+                                           [&](const std::string&) {
+                                             std::lock_guard<std::mutex> lock(mu_);
+                                             ++errors;
+                                             cv_.notify_all();
+                                           });
+    down->Start();
+  });
+  ASSERT_TRUE(WaitFor([&] { return errors.load() >= 6; }));
+  lt_.RunOnLoop([&] { EXPECT_EQ(down->backoff(), absl::Milliseconds(20)) << "backed off from a kubelet that is down"; });
+  lt_.RunOnLoop([&] { down.reset(); });
 }
 
 }  // namespace
