@@ -220,6 +220,19 @@ std::string StagedVolume(const std::string& id) {
 }
 
 // Each client (thread) publishes and unpublishes its own volume, as kubelets do for different pods.
+// NodePublishVolume of staged volume `id` at `target`, as kubelet sends it.
+csi::v1::NodePublishVolumeRequest PublishRequest(const std::string& id, const std::string& staging,
+                                                 const std::string& target) {
+  csi::v1::NodePublishVolumeRequest pub;
+  pub.set_volume_id(id);
+  pub.set_staging_target_path(staging);
+  pub.set_target_path(target);
+  pub.mutable_volume_capability()->mutable_mount();
+  pub.mutable_volume_capability()->mutable_access_mode()->set_mode(
+      csi::v1::VolumeCapability::AccessMode::MULTI_NODE_MULTI_WRITER);
+  return pub;
+}
+
 void BM_PublishUnpublishRoundTrip(benchmark::State& state) {
   Agent& a = TheAgent();
   const std::string id = "bench-" + std::to_string(state.thread_index());
@@ -228,13 +241,7 @@ void BM_PublishUnpublishRoundTrip(benchmark::State& state) {
   const std::string parent =
       Root() + "/kubelet/pods/p" + std::to_string(state.thread_index()) + "/volumes/kubernetes.io~csi/v";
   fs::create_directories(parent);
-  csi::v1::NodePublishVolumeRequest pub;
-  pub.set_volume_id(id);
-  pub.set_staging_target_path(staging);
-  pub.set_target_path(parent + "/mount");
-  pub.mutable_volume_capability()->mutable_mount();
-  pub.mutable_volume_capability()->mutable_access_mode()->set_mode(
-      csi::v1::VolumeCapability::AccessMode::MULTI_NODE_MULTI_WRITER);
+  const csi::v1::NodePublishVolumeRequest pub = PublishRequest(id, staging, parent + "/mount");
   csi::v1::NodeUnpublishVolumeRequest unpub;
   unpub.set_volume_id(id);
   unpub.set_target_path(parent + "/mount");
@@ -286,13 +293,7 @@ void BM_KubeletStorm(benchmark::State& state) {
     for (int i = 0; i < n; ++i) {
       pods.emplace_back([&, i] {
         auto stub = csi::v1::Node::NewStub(a.channel);
-        csi::v1::NodePublishVolumeRequest pub;
-        pub.set_volume_id(id);
-        pub.set_staging_target_path(staging);
-        pub.set_target_path(targets[static_cast<size_t>(i)]);
-        pub.mutable_volume_capability()->mutable_mount();
-        pub.mutable_volume_capability()->mutable_access_mode()->set_mode(
-            csi::v1::VolumeCapability::AccessMode::MULTI_NODE_MULTI_WRITER);
+        const csi::v1::NodePublishVolumeRequest pub = PublishRequest(id, staging, targets[static_cast<size_t>(i)]);
         auto backoff = std::chrono::milliseconds(500);
         while (true) {
           grpc::ClientContext c;
