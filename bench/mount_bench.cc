@@ -219,7 +219,6 @@ std::string StagedVolume(const std::string& id) {
   return staging;
 }
 
-// Each client (thread) publishes and unpublishes its own volume, as kubelets do for different pods.
 // NodePublishVolume of staged volume `id` at `target`, as kubelet sends it.
 csi::v1::NodePublishVolumeRequest PublishRequest(const std::string& id, const std::string& staging,
                                                  const std::string& target) {
@@ -233,6 +232,7 @@ csi::v1::NodePublishVolumeRequest PublishRequest(const std::string& id, const st
   return pub;
 }
 
+// Each client (thread) publishes and unpublishes its own volume, as kubelets do for different pods.
 void BM_PublishUnpublishRoundTrip(benchmark::State& state) {
   Agent& a = TheAgent();
   const std::string id = "bench-" + std::to_string(state.thread_index());
@@ -517,13 +517,7 @@ void BM_MixedRpcs(benchmark::State& state) {
   }
   const std::string staging = StagedVolume("bench");
   const std::string target = BenchPod("mixed", "v");
-  csi::v1::NodePublishVolumeRequest pub;
-  pub.set_volume_id("bench");
-  pub.set_staging_target_path(staging);
-  pub.set_target_path(target);
-  pub.mutable_volume_capability()->mutable_mount();
-  pub.mutable_volume_capability()->mutable_access_mode()->set_mode(
-      csi::v1::VolumeCapability::AccessMode::MULTI_NODE_MULTI_WRITER);
+  const csi::v1::NodePublishVolumeRequest pub = PublishRequest("bench", staging, target);
   csi::v1::NodeUnpublishVolumeRequest unpub;
   unpub.set_volume_id("bench");
   unpub.set_target_path(target);
