@@ -108,17 +108,21 @@ absl::StatusOr<std::optional<sys::MountFacts>> LookupMountAtBlocking(int fd,
   if (!table.ok()) return table.status();
   const MountEntry* top = table->FindTop(path);
   if (top == nullptr) return std::optional<sys::MountFacts>();
+  return std::optional<sys::MountFacts>(FactsOf(*top));
+}
+
+sys::MountFacts FactsOf(const MountEntry& e) {
   sys::MountFacts facts;
-  facts.old_id = top->id;
-  facts.dev_major = top->major;
-  facts.dev_minor = top->minor;
-  facts.attr = top->read_only() ? MOUNT_ATTR_RDONLY : 0;
-  facts.peer_group = top->shared;
-  facts.master = top->master;
-  facts.fs_type = std::string(top->fs_type);
-  facts.root = std::string(top->root);
-  facts.mount_point = std::string(top->mount_point);
-  return std::optional<sys::MountFacts>(std::move(facts));
+  facts.old_id = e.id;
+  facts.dev_major = e.major;
+  facts.dev_minor = e.minor;
+  facts.attr = e.read_only() ? MOUNT_ATTR_RDONLY : 0;
+  facts.peer_group = e.shared;
+  facts.master = e.master;
+  facts.fs_type = std::string(e.fs_type);
+  facts.root = std::string(e.root);
+  facts.mount_point = std::string(e.mount_point);
+  return facts;
 }
 
 }  // namespace fusekeeper

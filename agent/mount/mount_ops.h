@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "agent/base/unique_fd.h"
+#include "agent/mount/mountinfo.h"
 #include "agent/sys/syscalls.h"
 
 namespace fusekeeper {
@@ -51,5 +52,8 @@ absl::Status SetPropagationFdBlocking(int fd, uint64_t propagation, const std::s
 // else the whole /proc/self/mountinfo. nullopt if `fd`'s path is not a mount point.
 // `path` is the absolute path (as mountinfo shows it) fd was opened on.
 absl::StatusOr<std::optional<sys::MountFacts>> LookupMountAtBlocking(int fd, const std::string& path);
+
+// What a /proc/self/mountinfo line says of a mount, as MountFacts (no 64-bit ids: 0).
+sys::MountFacts FactsOf(const MountEntry& e);
 
 }  // namespace fusekeeper

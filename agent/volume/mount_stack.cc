@@ -20,6 +20,14 @@ const state::MountIdentity& StagingBase(const state::Volume& v) {
   return v.has_staging_base() ? v.staging_base() : v.staging_mount();
 }
 
+PathMounts MountsAt(const state::Volume& v, const std::string& path) {
+  for (const auto& t : v.targets()) {
+    if (t.path() == path) return {t.mount(), TargetBase(t)};
+  }
+  if (!v.staging_path().empty() && v.staging_path() == path) return {v.staging_mount(), StagingBase(v)};
+  return {};
+}
+
 state::MountIdentity IdentityOf(const sys::MountFacts& f) {
   state::MountIdentity id;
   id.set_dev_major(f.dev_major);
@@ -65,15 +73,7 @@ absl::StatusOr<std::vector<sys::MountFacts>> LayersAtBlocking(const KubeletDir& 
     text << in.rdbuf();
     auto table = MountTable::Parse(text.str());
     if (!table.ok()) return table.status();
-    for (const MountEntry* e : table->FindAll(table_path)) {
-      sys::MountFacts f;
-      f.dev_major = e->major;
-      f.dev_minor = e->minor;
-      f.fs_type = std::string(e->fs_type);
-      f.root = std::string(e->root);
-      f.mount_point = std::string(e->mount_point);
-      layers.push_back(std::move(f));
-    }
+    for (const MountEntry* e : table->FindAll(table_path)) layers.push_back(FactsOf(*e));
     return layers;
   }
   auto top = TopOfBlocking(kubelet, path);

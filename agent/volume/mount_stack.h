@@ -31,6 +31,13 @@ constexpr int kMaxMountLayers = 16;
 const state::MountIdentity& TargetBase(const state::Target& t);
 const state::MountIdentity& StagingBase(const state::Volume& v);
 
+// The recorded top layer and base of `path`, the volume's staging path or one of its targets
+// (empty identities for a path the volume does not have).
+struct PathMounts {
+  state::MountIdentity top, base;
+};
+PathMounts MountsAt(const state::Volume& v, const std::string& path);
+
 state::MountIdentity IdentityOf(const sys::MountFacts& f);
 bool IsFuseFsType(const std::string& fs_type);
 // Same superblock (device) as `id`.

@@ -170,10 +170,7 @@ absl::StatusOr<VolumeSpec> ParseSpec(const google::protobuf::Map<std::string, st
 // Whether `a` and `b` are the same path or one lies inside the other.
 bool Overlaps(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return false;
-  auto inside = [](const std::string& x, const std::string& dir) {
-    return x.size() > dir.size() && x.compare(0, dir.size(), dir) == 0 && x[dir.size()] == '/';
-  };
-  return a == b || inside(a, b) || inside(b, a);
+  return IsAtOrBelow(a, b) || IsAtOrBelow(b, a);
 }
 
 // A staged FUSE volume is one mount whose server presents every file with the group it was
@@ -454,10 +451,7 @@ void VolumeManager::StartEndpoint(const state::Volume& v, const std::string& pat
   ho.peer_uid = v.fuse().server_uid();
   ho.redeposit_wait = options_.redeposit_wait;
   // A server re-depositing the connection after an agent restart must hand back this mount's.
-  ho.expected_connection = path == v.staging_path() ? v.staging_mount().dev_minor() : 0;
-  for (const auto& t : v.targets()) {
-    if (t.path() == path) ho.expected_connection = t.mount().dev_minor();
-  }
+  ho.expected_connection = MountsAt(v, path).top.dev_minor();
   Endpoint e;
   e.serial = ++endpoint_serial_;
   e.endpoint = HandoffEndpoint::Start(loop_, std::move(listen_fd), std::move(fuse_fd), std::move(config), ho,
@@ -550,13 +544,12 @@ void VolumeManager::OnHandoffTimeout(const std::string& volume_id, const std::st
   ep->second.gone_reason = message;
   LOG(WARNING) << "volume " << volume_id << ": " << message;
   EventForVolume(v, "Warning", "FuseServerNeverConnected", message);
-  state::MountIdentity id = v.staging_mount(), base = StagingBase(v);
-  for (const auto& t : v.targets()) {
-    if (t.path() == path) id = t.mount(), base = TargetBase(t);
-  }
+  const PathMounts mounts = MountsAt(v, path);
   absl::Status s = pool_.Submit(
       "handoff timeout: abort the unserved connection",
-      [ctx = ctx_, path, id, base] { AbortConnectionsAtBlocking(*ctx.kubelet, path, {id.dev_minor(), base.dev_minor()}); },
+      [ctx = ctx_, path, mounts] {
+        AbortConnectionsAtBlocking(*ctx.kubelet, path, {mounts.top.dev_minor(), mounts.base.dev_minor()});
+      },
       [this, volume_id](absl::Status) { Release(volume_id); });
   if (!s.ok()) Release(volume_id);
 }
