@@ -21,11 +21,13 @@ namespace {
 constexpr int kWatchPollMs = 200;
 
 HandoffReply Named(HandoffReply r) {
-  r.server = absl::StrCat("fkserve ", kVersion);
+  r.server = ServerName();
   return r;
 }
 
 }  // namespace
+
+std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
 
 AgentLink::AgentLink(UniqueFd sock, UniqueFd fuse_dup, std::string init, std::string socket_path, uid_t agent_uid)
     : init_(std::move(init)),

@@ -18,6 +18,9 @@
 
 namespace fusekeeper {
 
+// How fkserve names itself in its replies ("fkserve <version>").
+std::string ServerName();
+
 class AgentLink {
  public:
   // `sock`: the handoff connection the volume was received on; `fuse_dup`: a dup of the

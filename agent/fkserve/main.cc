@@ -72,7 +72,7 @@ void Reply(int sock, bool ok, const std::string& error, bool fresh = false, cons
   r.error = error;
   r.fresh = fresh;
   r.init = init;
-  r.server = absl::StrCat("fkserve ", fusekeeper::kVersion);
+  r.server = fusekeeper::ServerName();
   auto s = fusekeeper::SendHandoffMessage(sock, fusekeeper::EncodeHandoffReply(r), -1);
   if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
 }
