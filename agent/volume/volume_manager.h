@@ -1,14 +1,11 @@
 // VolumeManager: the Node RPCs' logic, on the loop thread. It owns the in-memory volume state,
-// serialises operations per volume (a second RPC for a volume with one in flight gets ABORTED;
-// different volumes never wait on each other), decides idempotent repeats and conflicts from that
-// state, and runs the blocking halves (agent/volume/volume_ops) on the BlockingPool.
+// sequences operations per volume (a second RPC for a volume with one in flight waits its turn,
+// FIFO and bounded; different volumes never wait on each other), decides idempotent repeats and
+// conflicts from that state, and runs each RPC's blocking work on the BlockingPool.
 //
-// Volume kinds:
-//  - `hostPath` (volume_context: kind=hostPath, path, type);
-//  - `fuse` (volume_context: kind=fuse, serverUid, serverGid, subtype, passSecrets; inline volumes
-//    also socketVolume (the pod's emptyDir shared with the sidecar server) and socketName). The
-//    agent mounts /dev/fuse itself and hands the fd to the server over a HandoffEndpoint; an
-//    unclaimed volume is torn down after handoff_timeout.
+// What differs between volume kinds lives in one module per kind behind VolumeKind
+// (volume_kind.h): host_path_kind.h and fuse_kind.h. The manager holds them by the name in
+// volume_context["kind"] and never asks which kind a volume is; it is their VolumeHost.
 #pragma once
 
 #include <deque>
@@ -22,13 +19,14 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/strings/str_cat.h"
 #include "agent/loop/blocking_pool.h"
-#include "agent/fuse/handoff_endpoint.h"
 #include "agent/loop/loop.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
+#include "agent/volume/fuse_kind.h"
 #include "agent/volume/state_store.h"
-#include "agent/volume/fuse_volume_ops.h"
+#include "agent/volume/volume_kind.h"
 #include "agent/volume/volume_ops.h"
 #include "proto/csi.pb.h"
 #include "proto/state.pb.h"
@@ -90,10 +88,10 @@ struct VolumeManagerOptions {
   absl::Duration max_repair_backoff = absl::Seconds(30);
 };
 
-class VolumeManager {
+class VolumeManager final : public VolumeHost {
  public:
   using Done = absl::AnyInvocable<void(absl::Status)>;
-  using StatsDone = absl::AnyInvocable<void(absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>)>;
+  using StatsDone = fusekeeper::StatsDone;
 
   // All references must outlive the manager. `probe_pool` runs statfs probes; null: the manager
   // makes its own (options.probe_threads).
@@ -121,81 +119,57 @@ class VolumeManager {
   // (`…/pods/<uid>/volumes/kubernetes.io~csi/<name>/mount`), for every target that records its pod.
   std::map<std::string, std::set<std::string>> PublishedVolumeDirsByPod() const;
 
-  // --- Recovery (volume_recovery.cc) ---
+  // --- Recovery (each kind's own; the manager only triggers it) ---
   void set_recovery_hooks(RecoveryHooks hooks) { hooks_ = std::move(hooks); }
-  // Loop thread. Compares every volume's mounts with the mount table (read through the ring) and
-  // repairs what is broken: a global mount that is gone (remount a fresh connection) or was
-  // replaced by someone else (adopt it), pod targets not bound to the current global mount
-  // (bind again). Volumes with an RPC in flight are skipped (the next audit sees them).
-  // `why` names the trigger ("mount table changed", "periodic audit", "start-up").
+  // Loop thread. Reads the mount table (through the ring) and has each volume's kind compare its
+  // mounts with it and repair what is broken. Volumes with an RPC in flight are looked at again
+  // shortly. `why` names the trigger ("mount table changed", "periodic audit", "start-up").
   void Audit(const std::string& why, absl::AnyInvocable<void()> done = nullptr);
-  // Loop thread. The kubelet saw the container of a volume's FUSE server restart.
+  // Loop thread. The kubelet saw a container of `pod` restart (a FUSE server sidecar, perhaps).
   void ServerContainerRestarted(const PodRef& pod, const std::string& container);
 
-  struct Counts {
-    std::map<std::string, int> volumes_by_kind_state;  // "fuse/serving", "hostPath/mounted", ...
-    int handoffs_waiting = 0;
-    int repairs_in_progress = 0;
-  };
+  using Counts = VolumeCounts;
   Counts counts() const;
+
+  // --- VolumeHost (for the kinds; loop thread) ---
+  Loop& loop() override { return loop_; }
+  const VolumeOpsContext& ops_context() const override { return ctx_; }
+  const std::map<std::string, state::Volume>& volumes() const override { return volumes_; }
+  const state::Volume* Find(const std::string& volume_id) const override;
+  bool Busy(const std::string& volume_id) const override { return busy_.count(volume_id) > 0; }
+  bool TryClaim(const std::string& volume_id) override;
+  void Release(const std::string& volume_id) override;
+  void RunClaimed(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done) override;
+  void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,
+             StatsDone done) override;
+  void Event(const state::Volume& v, const std::string& type, const std::string& reason,
+             const std::string& message) override;
+  bool AllPodsTerminating(const state::Volume& v) const override;
+  void RecoveryFinished(const std::string& how, const std::string& outcome, absl::Duration latency) override;
 
  private:
   // Marks volume_id busy for the duration; ABORTED if it already is, UNAVAILABLE before Start.
   absl::Status Claim(const std::string& volume_id);
-  // Ends a claim; the next RPC waiting for the volume runs.
-  void Release(const std::string& volume_id);
   // If volume_id is busy, queues `method(req, done)` to run when it is free and returns true
   // (`done` is then owned by the queue: answered by the method, or with an error if the wait is
   // too long or the queue full). False: not busy, go ahead.
   template <typename Req>
   bool WaitTurn(const std::string& volume_id, const Req& req, Done& done,
                 void (VolumeManager::*method)(const Req&, Done));
-  // Runs `work` on the pool; then, on the loop, releases the claim and passes its result to
-  // `adopt` (which stores state, starts endpoints...) and adopt's status to done.
-  template <typename T>
-  void RunJob(const std::string& volume_id, std::string reason, absl::AnyInvocable<absl::StatusOr<T>()> work,
-              absl::AnyInvocable<absl::Status(T)> adopt, Done done);
-  // RunJob whose result is the volume's new state (nullopt: the volume is gone).
-  void RunVolumeJob(const std::string& volume_id, std::string reason,
-                    absl::AnyInvocable<absl::StatusOr<std::optional<state::Volume>>()> work, Done done);
-  // FUSE: endpoints by volume and mount path.
-  static std::string EndpointKey(const std::string& volume_id, const std::string& path);
-  // `unclaimed_timeout`: a fresh volume no server claims within handoff_timeout is torn down
-  // (volumes an earlier agent or a repair mounted keep waiting).
-  void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd,
-                     UniqueFd listen_fd, const std::map<std::string, std::string>& secrets,
-                     const std::vector<std::string>& mount_options, bool unclaimed_timeout = true);
-  void StopEndpoint(const std::string& volume_id, const std::string& path);
-  // After start-up: handoff sockets for FUSE volumes mounted by an earlier agent.
-  void ListenAgain();
-  void OnHandoffTimeout(const std::string& volume_id, const std::string& path);
-  void StageFuse(const csi::v1::NodeStageVolumeRequest& req, state::Volume v,
-                 std::optional<state::Volume> previous, Done done);
-  void PublishFuseInline(const csi::v1::NodePublishVolumeRequest& req, state::Volume v, int index,
-                         std::optional<state::Volume> previous, Done done);
+  // The kind named in volume_context (INVALID_ARGUMENT naming the supported ones if none is).
+  absl::StatusOr<VolumeKind*> KindFor(const google::protobuf::Map<std::string, std::string>& volume_context) const;
+  // The kind of a recorded volume (state saved before kinds existed: hostPath).
+  VolumeKind& KindOf(const state::Volume& v) const;
+  // The spec an RPC asks for: the kind's fields (parsed by the kind) and the capability's.
+  absl::StatusOr<state::Spec> RequestSpec(VolumeKind& kind,
+                                          const google::protobuf::Map<std::string, std::string>& volume_context,
+                                          const csi::v1::VolumeCapability& cap, bool staged) const;
+  // Runs `job` under the claim `Claim` took and answers `done` with its outcome.
+  void RunRpcJob(const std::string& volume_id, absl::StatusOr<KindJob> job, Done done);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
   // ALREADY_EXISTS if `path` is, contains or lies inside any path of any volume (other than the
   // same path of `volume_id` itself: a repeat). `field` names it in the message.
   absl::Status CheckPathFree(const std::string& path, const std::string& volume_id, const std::string& field) const;
-  // statfs of the mount at mount_path (which must be `id`) on the probe pool, answered within
-  // the stats deadline: abnormal if it is unresponsive (`path` names it in messages).
-  void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,
-             StatsDone done);
-  // Recovery (volume_recovery.cc).
-  void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
-  void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
-  void RepairFuse(const std::string& volume_id, const std::string& why);
-  void Rebind(const std::string& volume_id, const std::string& why, std::optional<state::MountIdentity> adopt_global);
-  // Checks every mount of the volume through the FUSE server (statfs, under the stats deadline)
-  // and reports MountRecovered / MountRecoveryFailed.
-  void Verify(const std::string& volume_id, const std::string& how, absl::Time since);
-  // Every pod the volume is published to is terminating (and there is at least one).
-  bool AllPodsTerminating(const state::Volume& v) const;
-  void EventForVolume(const state::Volume& v, const std::string& type, const std::string& reason,
-                      const std::string& message);
-  void RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn);
-  // Events for what a re-bind removed (stacked mounts) and could not do (failed targets).
-  void ReportRebind(const RebindOutcome& r);
 
   Loop& loop_;
   BlockingPool& pool_;
@@ -206,6 +180,7 @@ class VolumeManager {
   VolumeOpsContext ctx_;
   bool ready_ = false;
   std::map<std::string, state::Volume> volumes_;
+  std::map<std::string, std::unique_ptr<VolumeKind>> kinds_;  // by volume_context["kind"]
   std::unordered_set<std::string> busy_;
   struct Waiter {
     absl::AnyInvocable<void(Done)> run;
@@ -213,19 +188,6 @@ class VolumeManager {
     TimerId timer = 0;
   };
   std::map<std::string, std::deque<std::shared_ptr<Waiter>>> waiters_;  // per busy volume, FIFO
-  struct Endpoint {
-    std::shared_ptr<HandoffEndpoint> endpoint;
-    TimerId timeout = 0;
-    uint64_t serial = 0;     // tells this endpoint from a later one for the same path
-    bool gave_up = false;    // no server came within handoff_timeout: the connection was aborted
-    int gone_pending = 0;    // server-gone Warnings waiting out server_gone_grace
-    std::string gone_reason;  // why its server stopped serving, once it has
-    int adoptions_seen = 0;
-    absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
-    std::string recovering_how;
-  };
-  std::map<std::string, Endpoint> endpoints_;
-  uint64_t endpoint_serial_ = 0;
   std::set<std::string> terminating_pods_;
   bool audit_retry_pending_ = false;  // an audit that skipped busy volumes looks again soon
   std::unique_ptr<BlockingPool> own_probe_pool_;
@@ -235,43 +197,13 @@ class VolumeManager {
     std::vector<StatsDone> dones;
     bool answered = false;  // by the result or the deadline
     TimerId timer = 0;
-    absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> result = absl::UnknownError("not run");
-    void Answer(const absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse>& r);
+    StatsResult result = absl::UnknownError("not run");
+    void Answer(const StatsResult& r);
   };
   // Mount paths with a statfs still outstanding (possibly hung): never more than one each.
   std::map<std::string, std::shared_ptr<ProbeRace>> probes_outstanding_;
   RecoveryHooks hooks_;
-  std::unordered_set<std::string> repairing_;           // volumes with a repair queued or running
-  std::map<std::string, absl::Duration> backoff_;       // per volume, after failed repairs
 };
-
-template <typename T>
-void VolumeManager::RunJob(const std::string& volume_id, std::string reason,
-                           absl::AnyInvocable<absl::StatusOr<T>()> work,
-                           absl::AnyInvocable<absl::Status(T)> adopt, Done done) {
-  struct Job {
-    absl::AnyInvocable<absl::StatusOr<T>()> work;
-    absl::StatusOr<T> result = absl::UnknownError("not run");
-    absl::AnyInvocable<absl::Status(T)> adopt;
-    Done done;
-  };
-  auto job = std::make_shared<Job>();
-  job->work = std::move(work);
-  job->adopt = std::move(adopt);
-  job->done = std::move(done);
-  absl::Status s = pool_.Submit(
-      std::move(reason), [job] { job->result = job->work(); },
-      [this, volume_id, job](absl::Status ran) {
-        Release(volume_id);
-        if (!ran.ok()) return job->done(ran);
-        if (!job->result.ok()) return job->done(job->result.status());
-        job->done(job->adopt(std::move(*job->result)));
-      });
-  if (!s.ok()) {
-    Release(volume_id);
-    job->done(s);
-  }
-}
 
 template <typename Req>
 bool VolumeManager::WaitTurn(const std::string& volume_id, const Req& req, Done& done,

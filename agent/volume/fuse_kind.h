@@ -1,0 +1,121 @@
+// The fuse volume kind (volume_context: kind=fuse, serverUid, serverGid, subtype, passSecrets;
+// inline volumes also socketVolume, the pod's emptyDir shared with the sidecar server, and
+// socketName). The agent mounts /dev/fuse itself (fuse_volume_ops.h) and hands the fd to the
+// server over a HandoffEndpoint; staged volumes are one global mount that every target follows
+// (mount_stack.h).
+//
+// Recovery (fuse_kind_recovery.cc) is this kind's too. Detection feeds in from the handoff
+// endpoints (a server's connection closed, a server asked for a fresh connection, the kept
+// connection was aborted), from the mount table (Audit) and from the kubelet (a FUSE server
+// container restarted). Repairs run under the volume's claim, so they never race an RPC on the
+// same volume, and are reported as Events and through the host only after a check through the
+// repaired mount has succeeded.
+//
+// Loop thread only, like every VolumeKind.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "agent/fuse/handoff_endpoint.h"
+#include "agent/volume/fuse_volume_ops.h"
+#include "agent/volume/volume_kind.h"
+
+namespace fusekeeper {
+
+inline constexpr char kFuseKind[] = "fuse";
+
+struct FuseKindOptions {
+  // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
+  std::string socket_dir = "/var/lib/fusekeeper/sockets";
+  // A FUSE volume no server has claimed by then has its connection aborted (it stays mounted and
+  // fails fast) and a Warning posted; a server that connects later gets a fresh connection.
+  absl::Duration handoff_timeout = absl::Minutes(5);
+  // How long a connected server has to answer the handoff.
+  absl::Duration handoff_reply_timeout = absl::Seconds(10);
+  // After an agent restart: how long a connecting server has to re-deposit the volume's live
+  // connection before it is taken to want a fresh one (HandoffOptions::redeposit_wait).
+  absl::Duration redeposit_wait = absl::Seconds(1);
+  // A FUSE server that stops is reported (Warning FuseServerNotConnected) only if its volume is
+  // not unpublished within this grace: kubelet stops a deleted pod's sidecar just before it
+  // unpublishes, and that is no failure.
+  absl::Duration server_gone_grace = absl::Seconds(2);
+  // A failed repair is retried after this, doubling up to max_repair_backoff.
+  absl::Duration repair_backoff = absl::Milliseconds(200);
+  absl::Duration max_repair_backoff = absl::Seconds(30);
+};
+
+class FuseKind final : public VolumeKind {
+ public:
+  FuseKind(VolumeHost& host, FuseKindOptions options) : VolumeKind(host), options_(std::move(options)) {}
+
+  absl::string_view name() const override { return kFuseKind; }
+  absl::Status ParseSpec(const google::protobuf::Map<std::string, std::string>& volume_context,
+                         const csi::v1::VolumeCapability& cap, bool staged, state::Spec* spec) const override;
+  void ApplySpec(const state::Spec& spec, state::Volume* v) const override;
+  absl::StatusOr<KindJob> Stage(StageCall call) override;
+  absl::Status CheckPublish(const csi::v1::NodePublishVolumeRequest& req, const state::Volume* staged,
+                            const state::Spec& spec, bool* read_only) const override;
+  absl::StatusOr<KindJob> Publish(PublishCall call) override;
+  KindJob Unpublish(const state::Volume& v, const state::Target& t) override;
+  KindJob Unstage(const state::Volume& v) override;
+  void Stats(const state::Volume& v, const std::string& path, const std::string& mount_path,
+             const state::MountIdentity& id, StatsDone done) override;
+
+  // Recovery (fuse_kind_recovery.cc).
+  void Started() override;
+  bool Audit(const MountTable& table, const state::Volume& v, const std::string& why) override;
+  void ContainerRestarted(const state::Volume& v, const std::string& pod_uid, const std::string& container) override;
+  void Count(const state::Volume& v, VolumeCounts* counts) const override;
+
+ private:
+  struct Endpoint {
+    std::shared_ptr<HandoffEndpoint> endpoint;
+    TimerId timeout = 0;
+    uint64_t serial = 0;      // tells this endpoint from a later one for the same path
+    bool gave_up = false;     // no server came within handoff_timeout: the connection was aborted
+    int gone_pending = 0;     // server-gone Warnings waiting out server_gone_grace
+    std::string gone_reason;  // why its server stopped serving, once it has
+    int adoptions_seen = 0;
+    absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
+    std::string recovering_how;
+  };
+
+  // Endpoints by volume and mount path.
+  static std::string EndpointKey(const std::string& volume_id, const std::string& path);
+  // The job that mounts a fresh FUSE connection for `v` at its staging path (target_index < 0)
+  // or at a target, then starts its endpoint.
+  KindJob MountJob(std::string reason, state::Volume v, int target_index, std::optional<state::Volume> previous,
+                   bool socket_in_kubelet_dir, std::map<std::string, std::string> secrets,
+                   std::vector<std::string> server_options);
+  // `unclaimed_timeout`: a fresh volume no server claims within handoff_timeout is given up on
+  // (volumes an earlier agent or a repair mounted keep waiting).
+  void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,
+                     const std::map<std::string, std::string>& secrets,
+                     const std::vector<std::string>& mount_options, bool unclaimed_timeout = true);
+  void StopEndpoint(const std::string& volume_id, const std::string& path);
+  void OnHandoffTimeout(const std::string& volume_id, const std::string& path);
+  void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
+  void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
+  // Gives the volume a fresh connection and re-binds its targets.
+  void RepairFuse(const std::string& volume_id, const std::string& why);
+  // Re-binds the targets of a staged volume (adopting `adopt_global` as its global mount).
+  void Rebind(const std::string& volume_id, const std::string& why, std::optional<state::MountIdentity> adopt_global);
+  // Checks every mount of the volume through the FUSE server (statfs, under the stats deadline)
+  // and reports MountRecovered / MountRecoveryFailed.
+  void Verify(const std::string& volume_id, const std::string& how, absl::Time since);
+  void RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn);
+  // Events for what a re-bind removed (stacked mounts) and could not do (failed targets).
+  void ReportRebind(const RebindOutcome& r);
+
+  const FuseKindOptions options_;
+  std::map<std::string, Endpoint> endpoints_;
+  uint64_t endpoint_serial_ = 0;
+  std::unordered_set<std::string> repairing_;      // volumes with a repair queued or running
+  std::map<std::string, absl::Duration> backoff_;  // per volume, after failed repairs
+};
+
+}  // namespace fusekeeper

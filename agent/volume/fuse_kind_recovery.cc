@@ -1,0 +1,372 @@
+// FuseKind, part 2: recovery (see fuse_kind.h).
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "agent/volume/fuse_kind.h"
+#include "agent/volume/mount_stack.h"
+#include "glog/logging.h"
+
+namespace fusekeeper {
+namespace {
+
+// The path of the volume's FUSE mount: the global mount, or an inline volume's only target.
+std::string FuseMountPath(const state::Volume& v) {
+  if (!v.staging_path().empty()) return v.staging_path();
+  return v.targets_size() == 1 ? v.targets(0).path() : "";
+}
+
+bool SameDev(const MountEntry* e, const state::MountIdentity& id) {
+  return e != nullptr && e->major == id.dev_major() && e->minor == id.dev_minor();
+}
+
+}  // namespace
+
+void FuseKind::Started() {
+  // The FUSE connections of volumes mounted before a restart died with the old agent's fds
+  // only if their servers are gone too. Each volume gets its handoff socket back, without a
+  // connection to offer: a server still serving it re-deposits its fd there (handoff_protocol.h),
+  // and a server that connects without one is given a fresh connection.
+  for (const auto& [id, v] : host_.volumes()) {
+    if (v.kind() != kFuseKind || v.fuse().socket_path().empty()) continue;
+    const std::string path = FuseMountPath(v);
+    if (path.empty() || endpoints_.count(EndpointKey(id, path)) > 0) continue;
+    // Under the volume's claim: a repair (which makes the socket again itself) or an RPC on the
+    // volume must not interleave with replacing its socket file. A volume that is busy now gets
+    // its socket from that work's repair instead.
+    if (!host_.TryClaim(id)) continue;
+    host_.RunClaimed(
+        id,
+        KindJob{"handoff socket after restart",
+                [this, ctx = host_.ops_context(), v = v, id = id, path]() -> absl::StatusOr<AdoptFn> {
+                  auto listen = ListenForServerBlocking(ctx, v);
+                  if (!listen.ok()) return listen.status();
+                  return AdoptFn([this, id, path, fd = std::make_shared<UniqueFd>(std::move(*listen))] {
+                    if (const state::Volume* now = host_.Find(id); now != nullptr) {
+                      StartEndpoint(*now, path, UniqueFd(), std::move(*fd), {}, {}, /*unclaimed_timeout=*/false);
+                    }
+                    return VolumeChange::Keep();
+                  });
+                }},
+        [id = id](absl::Status s) {
+          LOG_IF(WARNING, !s.ok()) << "volume " << id << ": cannot listen for its FUSE server again: " << s;
+        });
+  }
+}
+
+void FuseKind::OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why) {
+  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+  if (ep == endpoints_.end()) return;
+  ep->second.gone_reason = std::string(why.message());
+  if (ep->second.recovering_since == absl::InfinitePast()) {
+    ep->second.recovering_since = absl::Now();
+    ep->second.recovering_how = "server restart";
+  }
+  // Kubelet stops a pod's containers, its server sidecar too, just before it unpublishes the
+  // pod's volumes: a server that stops then is a pod going away, not a failure. So the Warning
+  // waits for a short grace, and is dropped if the endpoint is stopped (unpublished) meanwhile.
+  ++ep->second.gone_pending;
+  const uint64_t serial = ep->second.serial;
+  const std::string message = absl::StrCat("the FUSE server of volume ", volume_id, " stopped (", why.message(),
+                                           "); the mount is kept open and waits for the server to come back");
+  host_.loop().AddTimer(
+      absl::ToChronoNanoseconds(options_.server_gone_grace), [this, volume_id, path, message, serial] {
+        auto ep = endpoints_.find(EndpointKey(volume_id, path));
+        if (ep == endpoints_.end() || ep->second.serial != serial) return;  // unpublished meanwhile
+        --ep->second.gone_pending;
+        const state::Volume* v = host_.Find(volume_id);
+        if (v == nullptr) return;
+        if (host_.AllPodsTerminating(*v)) {
+          LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped while its pod is terminating: no Warning";
+          return;
+        }
+        host_.Event(*v, "Warning", "FuseServerNotConnected", message);
+      });
+}
+
+void FuseKind::OnServed(const std::string& volume_id, const std::string& path, bool adopted) {
+  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+  if (ep == endpoints_.end()) return;
+  ep->second.gone_reason.clear();
+  if (ep->second.recovering_since == absl::InfinitePast()) return;  // a first handoff
+  const absl::Time since = ep->second.recovering_since;
+  const std::string how = ep->second.recovering_how;
+  ep->second.recovering_since = absl::InfinitePast();
+  const state::Volume* v = host_.Find(volume_id);
+  if (v != nullptr && adopted) {
+    host_.Event(*v, "Normal", "FuseServerRestarted",
+                absl::StrCat("a restarted FUSE server adopted the live connection of volume ", volume_id));
+  }
+  Verify(volume_id, adopted ? "server restart (connection adopted)" : how, since);
+}
+
+void FuseKind::Verify(const std::string& volume_id, const std::string& how, absl::Time since) {
+  const state::Volume* found = host_.Find(volume_id);
+  if (found == nullptr) return;
+  const state::Volume& v = *found;
+  struct Check {
+    std::string volume_id, how;
+    absl::Time since;
+    int left = 0;
+    int total = 0;
+    std::vector<std::string> failed;
+  };
+  auto check = std::make_shared<Check>();
+  check->volume_id = volume_id;
+  check->how = how;
+  check->since = since;
+  std::vector<std::pair<std::string, state::MountIdentity>> paths;
+  if (!v.staging_path().empty() && !v.staging_pending()) paths.emplace_back(v.staging_path(), v.staging_mount());
+  for (const auto& t : v.targets()) {
+    if (!t.pending()) paths.emplace_back(t.path(), t.mount());
+  }
+  check->left = check->total = static_cast<int>(paths.size());
+  auto finish = [this, check] {
+    const state::Volume* v = host_.Find(check->volume_id);
+    const absl::Duration took = absl::Now() - check->since;
+    if (check->failed.empty()) {
+      if (v != nullptr) {
+        // The time taken goes to the log and the metrics, not into the Event: repeats of the same
+        // message become count updates.
+        LOG(INFO) << "volume " << check->volume_id << " recovered (" << check->how << ") in "
+                  << absl::FormatDuration(absl::Trunc(took, absl::Microseconds(1)));
+        host_.Event(*v, "Normal", "MountRecovered",
+                    absl::StrCat("volume ", check->volume_id, ": all ", check->total,
+                                 " mount(s) answer through the FUSE server again (", check->how, ")"));
+      }
+      host_.RecoveryFinished(check->how, "recovered", took);
+    } else {
+      if (v != nullptr) {
+        host_.Event(*v, "Warning", "MountRecoveryFailed",
+                    absl::StrCat("volume ", check->volume_id, ": ", absl::StrJoin(check->failed, "; ")));
+      }
+      host_.RecoveryFinished(check->how, "failed", took);
+    }
+  };
+  if (paths.empty()) return finish();
+  for (const auto& [path, id] : paths) {
+    host_.Probe(path, path, id, [check, path, finish](StatsResult r) mutable {
+      if (!r.ok()) {
+        check->failed.push_back(absl::StrCat(path, ": ", r.status().message()));
+      } else if (r->volume_condition().abnormal()) {
+        check->failed.push_back(r->volume_condition().message());
+      }
+      if (--check->left == 0) finish();
+    });
+  }
+}
+
+void FuseKind::ReportRebind(const RebindOutcome& r) {
+  if (r.stacked_removed > 0) {
+    host_.Event(r.volume, "Warning", "StackedMountsRemoved",
+                absl::StrCat(r.stacked_removed, " stacked mount(s) removed from pod targets"));
+  }
+  if (!r.failed.empty()) {
+    host_.Event(r.volume, "Warning", "MountRecoveryFailed",
+                absl::StrCat("targets not re-bound: ", absl::StrJoin(r.failed, "; ")));
+  }
+}
+
+void FuseKind::RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn) {
+  absl::Duration& d = backoff_[volume_id];
+  d = d == absl::ZeroDuration() ? options_.repair_backoff : std::min(d * 2, options_.max_repair_backoff);
+  host_.loop().AddTimer(absl::ToChronoNanoseconds(d), std::move(fn));
+}
+
+void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) {
+  const state::Volume* v = host_.Find(volume_id);
+  if (v == nullptr || v->kind() != kFuseKind || repairing_.count(volume_id) > 0) return;
+  const std::string path = FuseMountPath(*v);
+  if (path.empty()) return;
+  if (!host_.TryClaim(volume_id)) {
+    // An RPC on the volume is in flight; it may be unpublishing it. Look again after it.
+    return RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
+  }
+  repairing_.insert(volume_id);
+  const std::string key = EndpointKey(volume_id, path);
+  auto ep = endpoints_.find(key);
+  absl::Time since = absl::Now();
+  if (ep != endpoints_.end()) {
+    if (ep->second.recovering_since == absl::InfinitePast()) ep->second.recovering_since = since;
+    since = ep->second.recovering_since;
+    ep->second.recovering_how = "fresh connection";
+  }
+  host_.Event(*v, "Warning", "FuseServerNotConnected",
+              absl::StrCat("volume ", volume_id, ": ", why, "; mounting a fresh connection"));
+  struct Repaired {
+    FuseRemounted remounted;
+    RebindOutcome rebound;
+    UniqueFd listen_fd;
+  };
+  const bool need_listen = ep == endpoints_.end();
+  KindJob job{
+      "recovery: fresh FUSE connection",
+      [this, ctx = host_.ops_context(), v = *v, need_listen, volume_id, path, key,
+       since]() -> absl::StatusOr<AdoptFn> {
+        auto r = std::make_shared<Repaired>();
+        auto m = RemountFuseBlocking(ctx, v);
+        if (!m.ok()) return m.status();
+        r->remounted = std::move(*m);
+        auto b = RebindTargetsBlocking(ctx, r->remounted.volume);
+        if (!b.ok()) return b.status();
+        r->rebound = std::move(*b);
+        if (need_listen) {
+          auto l = ListenForServerBlocking(ctx, r->rebound.volume);
+          if (!l.ok()) return l.status();
+          r->listen_fd = std::move(*l);
+        }
+        return AdoptFn([this, r, volume_id, path, key, since] {
+          repairing_.erase(volume_id);
+          backoff_.erase(volume_id);
+          auto ep = endpoints_.find(key);
+          if (ep != endpoints_.end()) {
+            ep->second.endpoint->ReplaceConnection(std::move(r->remounted.fuse_fd));
+          } else {
+            StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->listen_fd), {}, {},
+                          /*unclaimed_timeout=*/false);
+            ep = endpoints_.find(key);
+          }
+          ep->second.recovering_since = since;
+          ep->second.recovering_how = "fresh connection";
+          ep->second.gave_up = false;
+          ep->second.gone_reason.clear();
+          ReportRebind(r->rebound);
+          LOG(INFO) << "volume " << volume_id << ": fresh FUSE connection mounted at " << path << ", "
+                    << r->rebound.rebound.size() << " target(s) re-bound; waiting for a server";
+          return VolumeChange::Set(r->rebound.volume);
+        });
+      }};
+  host_.RunClaimed(volume_id, std::move(job), [this, volume_id, why, since](absl::Status s) {
+    if (s.ok()) return;
+    repairing_.erase(volume_id);
+    const state::Volume* v = host_.Find(volume_id);
+    if (v == nullptr) return;
+    host_.Event(*v, "Warning", "MountRecoveryFailed",
+                absl::StrCat("mounting a fresh connection for volume ", volume_id, " failed: ", s.message()));
+    host_.RecoveryFinished("fresh connection", "failed", absl::Now() - since);
+    RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
+  });
+}
+
+void FuseKind::Rebind(const std::string& volume_id, const std::string& why,
+                      std::optional<state::MountIdentity> adopt_global) {
+  const state::Volume* found = host_.Find(volume_id);
+  if (found == nullptr || repairing_.count(volume_id) > 0) return;
+  if (!host_.TryClaim(volume_id)) {
+    return RetryLater(volume_id, [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); });
+  }
+  repairing_.insert(volume_id);
+  const absl::Time since = absl::Now();
+  LOG(WARNING) << "volume " << volume_id << ": " << why << "; re-binding its pod targets";
+  state::Volume v = *found;
+  if (adopt_global) {
+    // Stacked on the global mount's base (that is where pod targets follow it from): the base
+    // stays the base.
+    if (!v.has_staging_base()) *v.mutable_staging_base() = v.staging_mount();
+    *v.mutable_staging_mount() = *adopt_global;
+    v.set_source_dev_major(adopt_global->dev_major());
+    v.set_source_dev_minor(adopt_global->dev_minor());
+  }
+  KindJob job{"recovery: re-bind targets",
+              [this, ctx = host_.ops_context(), v = std::move(v), adopt = adopt_global.has_value(), volume_id,
+               since]() -> absl::StatusOr<AdoptFn> {
+                if (adopt) {
+                  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+                }
+                auto rebound = RebindTargetsBlocking(ctx, v);
+                if (!rebound.ok()) return rebound.status();
+                return AdoptFn([this, r = std::make_shared<RebindOutcome>(std::move(*rebound)), volume_id, since] {
+                  repairing_.erase(volume_id);
+                  backoff_.erase(volume_id);
+                  ReportRebind(*r);
+                  if (!r->failed.empty()) {
+                    host_.RecoveryFinished("re-bind", "failed", absl::Now() - since);
+                  } else if (!r->rebound.empty()) {
+                    // After the new state is recorded: Verify reads it.
+                    host_.loop().Post([this, volume_id, since] { Verify(volume_id, "re-bind", since); });
+                  }
+                  return VolumeChange::Set(r->volume);
+                });
+              }};
+  host_.RunClaimed(volume_id, std::move(job), [this, volume_id, why, adopt_global](absl::Status s) {
+    if (s.ok()) return;
+    repairing_.erase(volume_id);
+    LOG(ERROR) << "volume " << volume_id << ": re-binding targets failed: " << s;
+    RetryLater(volume_id, [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); });
+  });
+}
+
+bool FuseKind::Audit(const MountTable& table, const state::Volume& v, const std::string& why) {
+  const std::string& id = v.volume_id();
+  if (repairing_.count(id) > 0) return true;
+  if (host_.Busy(id)) return false;
+  const KubeletDir& kubelet = *host_.ops_context().kubelet;
+  if (!v.staging_path().empty()) {
+    if (v.staging_pending()) return true;
+    const MountEntry* global = table.FindTop(kubelet.MountTablePath(v.staging_path()));
+    if (global == nullptr) {
+      RepairFuse(id, absl::StrCat(why, ": the global mount at ", v.staging_path(), " is gone"));
+      return true;
+    }
+    if (!SameDev(global, v.staging_mount())) {
+      state::MountIdentity adopted;
+      adopted.set_dev_major(global->major);
+      adopted.set_dev_minor(global->minor);
+      adopted.set_root(std::string(global->root));
+      Rebind(id, absl::StrCat(why, ": the global mount at ", v.staging_path(), " was replaced (", global->fs_type, ")"),
+             adopted);
+      return true;
+    }
+    for (const auto& t : v.targets()) {
+      if (t.pending()) continue;
+      if (!SameDev(table.FindTop(kubelet.MountTablePath(t.path())), v.staging_mount())) {
+        Rebind(id, absl::StrCat(why, ": ", t.path(), " is not bound to the global mount"), std::nullopt);
+        break;
+      }
+    }
+  } else if (v.targets_size() == 1 && !v.targets(0).pending()) {
+    const MountEntry* top = table.FindTop(kubelet.MountTablePath(v.targets(0).path()));
+    if (top == nullptr) {
+      RepairFuse(id, absl::StrCat(why, ": the FUSE mount at ", v.targets(0).path(), " is gone"));
+    } else if (!SameDev(top, v.targets(0).mount())) {
+      // Its live layer was removed, leaving the (dead) base on top.
+      RepairFuse(id, absl::StrCat(why, ": the FUSE mount at ", v.targets(0).path(),
+                                  " is no longer the live connection"));
+    }
+  }
+  return true;
+}
+
+void FuseKind::ContainerRestarted(const state::Volume& v, const std::string& pod_uid, const std::string& container) {
+  LOG(INFO) << "volume " << v.volume_id() << ": the kubelet reports container " << container << " of pod " << pod_uid
+            << " restarted";
+  auto ep = endpoints_.find(EndpointKey(v.volume_id(), FuseMountPath(v)));
+  if (ep != endpoints_.end() && ep->second.recovering_since == absl::InfinitePast() &&
+      !ep->second.endpoint->serving()) {
+    ep->second.recovering_since = absl::Now();
+    ep->second.recovering_how = "server restart";
+  }
+}
+
+void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
+  std::string state;
+  auto ep = endpoints_.find(EndpointKey(v.volume_id(), FuseMountPath(v)));
+  if (repairing_.count(v.volume_id()) > 0) {
+    state = "repairing";
+    ++c->repairs_in_progress;
+  } else if (ep == endpoints_.end()) {
+    state = "unwatched";
+  } else if (ep->second.endpoint->serving()) {
+    state = "serving";
+  } else if (ep->second.endpoint->awaiting_redeposit()) {
+    state = "awaiting_redeposit";  // mounted before an agent restart; its server has not re-deposited
+  } else if (ep->second.endpoint->served()) {
+    state = "server_gone";
+  } else {
+    state = "waiting_for_server";
+    ++c->handoffs_waiting;
+  }
+  ++c->volumes_by_kind_state[absl::StrCat(kFuseKind, "/", state)];
+}
+
+}  // namespace fusekeeper
