@@ -66,6 +66,29 @@ TEST_F(FuseE2ETest, StagedVolumeSharedByTwoPodsServedByANodeLevelServer) {
   EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
 }
 
+// Kubelet passes a PV's mountOptions to NodePublishVolume exactly as it did to NodeStageVolume.
+// Those went to the FUSE mount and its server at stage time; the pod's bind honours what a bind
+// can (ro, noexec) and must not refuse the rest.
+TEST_F(FuseE2ETest, AStagedVolumesServerMountOptionsDoNotBreakItsPublishes) {
+  StartAgent();
+  const std::string staging = StagingPath("opts-1");
+  const std::vector<std::string> flags = {"noatime", "cache=strict", "ro"};
+  ASSERT_RPC_OK(StageFuse("opts-1", staging, "", flags));
+  Subprocess* server = StartServer(StagedSocket("opts-1"));
+  const std::string a = Pod("pod-a", "opts-1");
+  ASSERT_RPC_OK(PublishStaged("opts-1", staging, a, "a", "pod-a", "", flags));
+  auto st = WithDeadline([&] {
+    struct stat s{};
+    return stat((a + "/hello.txt").c_str(), &s) == 0;
+  });
+  ASSERT_TRUE(st.has_value() && *st) << server->Stderr() << agent_->Stderr();
+  EXPECT_LT(open((a + "/nope").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644), 0);
+  EXPECT_EQ(errno, EROFS) << "ro among the PV's mount options makes the pod's view read-only";
+  ASSERT_RPC_OK(PublishStaged("opts-1", staging, a, "a", "pod-a", "", flags));  // a repeat
+  ASSERT_RPC_OK(Unpublish("opts-1", a));
+  ASSERT_RPC_OK(Unstage("opts-1", staging));
+}
+
 TEST_F(FuseE2ETest, ReadOnlyAndFsGroup) {
   StartAgent();
   const std::string target = Pod("pod-ro", "vol");

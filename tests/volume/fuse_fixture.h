@@ -174,12 +174,14 @@ class FuseE2ETest : public ::testing::Test {
     fs::create_directories(staging);
     return staging;
   }
-  grpc::Status StageFuse(const std::string& id, const std::string& staging, const std::string& fs_group = "") {
+  grpc::Status StageFuse(const std::string& id, const std::string& staging, const std::string& fs_group = "",
+                         const std::vector<std::string>& flags = {}) {
     NodeStageVolumeRequest r;
     r.set_volume_id(id);
     r.set_staging_target_path(staging);
     *r.mutable_volume_capability() = MountCapability();
     r.mutable_volume_capability()->mutable_mount()->set_volume_mount_group(fs_group);
+    for (const auto& f : flags) r.mutable_volume_capability()->mutable_mount()->add_mount_flags(f);
     for (const auto& [k, v] : FuseContext()) (*r.mutable_volume_context())[k] = v;
     NodeStageVolumeResponse resp;
     auto c = Ctx();
@@ -190,13 +192,14 @@ class FuseE2ETest : public ::testing::Test {
   }
   grpc::Status PublishStaged(const std::string& id, const std::string& staging, const std::string& target,
                              const std::string& pod_name = "", const std::string& pod_uid = "",
-                             const std::string& fs_group = "") {
+                             const std::string& fs_group = "", const std::vector<std::string>& flags = {}) {
     NodePublishVolumeRequest r;
     r.set_volume_id(id);
     r.set_staging_target_path(staging);
     r.set_target_path(target);
     *r.mutable_volume_capability() = MountCapability();
     r.mutable_volume_capability()->mutable_mount()->set_volume_mount_group(fs_group);
+    for (const auto& f : flags) r.mutable_volume_capability()->mutable_mount()->add_mount_flags(f);
     if (!pod_name.empty()) {
       (*r.mutable_volume_context())["csi.storage.k8s.io/pod.name"] = pod_name;
       (*r.mutable_volume_context())["csi.storage.k8s.io/pod.namespace"] = "default";
