@@ -114,6 +114,11 @@ BindOptions StagedTargetBind(const csi::v1::NodePublishVolumeRequest& req) {
 
 absl::Status FuseKind::ParseSpec(const google::protobuf::Map<std::string, std::string>& ctx,
                                  const VolumeCapability& cap, bool, state::Spec* spec) const {
+  return ParseFuseSpec(ctx, cap, spec);
+}
+
+absl::Status ParseFuseSpec(const google::protobuf::Map<std::string, std::string>& ctx, const VolumeCapability& cap,
+                           state::Spec* spec) {
   state::Fuse& fuse = *spec->mutable_fuse();
   const std::string subtype = ContextValue(ctx, "subtype");
   fuse.set_subtype(subtype.empty() ? "fusekeeper" : subtype);

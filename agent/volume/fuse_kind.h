@@ -28,6 +28,12 @@ namespace fusekeeper {
 
 inline constexpr char kFuseKind[] = "fuse";
 
+// Validates a fuse volume's volume_context and capability (mount flags, volume_mount_group) and
+// fills spec's fuse field and, with every key the agent does not read itself, its volume_context
+// (handed to the server). Pure; any thread.
+absl::Status ParseFuseSpec(const google::protobuf::Map<std::string, std::string>& volume_context,
+                           const csi::v1::VolumeCapability& cap, state::Spec* spec);
+
 struct FuseKindOptions {
   // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
   std::string socket_dir = "/var/lib/fusekeeper/sockets";

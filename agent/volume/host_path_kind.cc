@@ -9,6 +9,11 @@ namespace fusekeeper {
 
 absl::Status HostPathKind::ParseSpec(const google::protobuf::Map<std::string, std::string>& ctx,
                                      const csi::v1::VolumeCapability& cap, bool, state::Spec* spec) const {
+  return ParseHostPathSpec(ctx, cap, spec);
+}
+
+absl::Status ParseHostPathSpec(const google::protobuf::Map<std::string, std::string>& ctx,
+                               const csi::v1::VolumeCapability& cap, state::Spec* spec) {
   const std::string path = ContextValue(ctx, "path");
   const std::string type = ContextValue(ctx, "type");
   if (path.empty()) return absl::InvalidArgumentError("volume_context.path is required for hostPath");

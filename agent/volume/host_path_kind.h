@@ -11,6 +11,11 @@ namespace fusekeeper {
 
 inline constexpr char kHostPathKind[] = "hostPath";
 
+// Validates a hostPath volume's volume_context (path, type) and capability (bind mount flags,
+// volume_mount_group) and fills spec's host_path and host_path_type. Pure; any thread.
+absl::Status ParseHostPathSpec(const google::protobuf::Map<std::string, std::string>& volume_context,
+                               const csi::v1::VolumeCapability& cap, state::Spec* spec);
+
 class HostPathKind final : public VolumeKind {
  public:
   explicit HostPathKind(VolumeHost& host) : VolumeKind(host) {}

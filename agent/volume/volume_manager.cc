@@ -10,8 +10,6 @@
 #include "agent/volume/reconcile.h"
 #include "agent/volume/volume_spec.h"
 #include "glog/logging.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace fusekeeper {
 namespace {
@@ -22,41 +20,6 @@ using csi::v1::VolumeCapability;
 bool Overlaps(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return false;
   return IsAtOrBelow(a, b) || IsAtOrBelow(b, a);
-}
-
-// Equal fingerprints are repeats of one request; different ones for the same volume or path are
-// conflicts. The bytes must stay what earlier agents saved (their state is compared after an
-// upgrade): deterministic serialization, and the `fuse` field present even when empty.
-std::string Fingerprint(state::Spec spec) {
-  spec.mutable_fuse();
-  std::string bytes;
-  google::protobuf::io::StringOutputStream stream(&bytes);
-  {
-    google::protobuf::io::CodedOutputStream out(&stream);
-    out.SetSerializationDeterministic(true);
-    spec.SerializeToCodedStream(&out);
-  }
-  return Sha256Hex(bytes);
-}
-
-// The fields of a publish request every kind's fingerprint includes.
-void AddPublishFields(const VolumeCapability& cap, bool readonly, const std::string& staging, state::Spec* s) {
-  s->set_access_mode(cap.access_mode().mode());
-  for (const auto& f : cap.mount().mount_flags()) s->add_mount_flags(f);
-  s->set_volume_mount_group(cap.mount().volume_mount_group());
-  s->set_readonly(readonly);
-  s->set_staging_path(staging);
-}
-
-// What a staged volume was staged with, as a publish of it is fingerprinted.
-state::Spec StagedSpec(const state::Volume& v, const std::string& kind) {
-  state::Spec s;
-  s.set_kind(kind);
-  s.set_host_path(v.host_path());
-  s.set_host_path_type(v.host_path_type());
-  *s.mutable_fuse() = v.fuse();
-  s.mutable_fuse()->clear_socket_path();
-  return s;
 }
 
 }  // namespace
@@ -265,9 +228,7 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
     return done(rel.status());
   }
   if (auto s = CheckPathFree(req.staging_target_path(), id, "staging_target_path"); !s.ok()) return done(s);
-  state::Spec fingerprinted = *spec;
-  AddPublishFields(req.volume_capability(), false, "", &fingerprinted);
-  const std::string fp = Fingerprint(std::move(fingerprinted));
+  const std::string fp = RequestFingerprint(*spec, req.volume_capability(), false, "");
   StageCall call{&req};
   auto it = volumes_.find(id);
   if (it != volumes_.end()) {
@@ -380,9 +341,7 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
           absl::StrCat("volume ", id, " is already published with a different volume_context")));
     }
   }
-  state::Spec fingerprinted = spec;
-  AddPublishFields(req.volume_capability(), req.readonly(), req.staging_target_path(), &fingerprinted);
-  const std::string fp = Fingerprint(std::move(fingerprinted));
+  const std::string fp = RequestFingerprint(spec, req.volume_capability(), req.readonly(), req.staging_target_path());
   std::string owner;
   const state::Target* existing = FindTargetOwner(target, &owner);
   if (existing != nullptr && owner != id) {

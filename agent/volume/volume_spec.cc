@@ -1,6 +1,9 @@
 #include "agent/volume/volume_spec.h"
 
 #include "absl/strings/str_cat.h"
+#include "agent/volume/state_store.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace fusekeeper {
 
@@ -52,6 +55,34 @@ absl::StatusOr<BindOptions> ParseBindOptions(const VolumeCapability& cap, bool r
     }
   }
   return o;
+}
+
+std::string RequestFingerprint(state::Spec s, const VolumeCapability& cap, bool readonly,
+                               const std::string& staging_path) {
+  s.mutable_fuse();  // present even when empty, as earlier agents hashed it
+  s.set_access_mode(cap.access_mode().mode());
+  for (const auto& f : cap.mount().mount_flags()) s.add_mount_flags(f);
+  s.set_volume_mount_group(cap.mount().volume_mount_group());
+  s.set_readonly(readonly);
+  s.set_staging_path(staging_path);
+  std::string bytes;
+  google::protobuf::io::StringOutputStream stream(&bytes);
+  {
+    google::protobuf::io::CodedOutputStream out(&stream);
+    out.SetSerializationDeterministic(true);
+    s.SerializeToCodedStream(&out);
+  }
+  return Sha256Hex(bytes);
+}
+
+state::Spec StagedSpec(const state::Volume& v, const std::string& kind) {
+  state::Spec s;
+  s.set_kind(kind);
+  s.set_host_path(v.host_path());
+  s.set_host_path_type(v.host_path_type());
+  *s.mutable_fuse() = v.fuse();
+  s.mutable_fuse()->clear_socket_path();
+  return s;
 }
 
 }  // namespace fusekeeper

@@ -11,6 +11,7 @@
 #include "agent/mount/mount_ops.h"
 #include "google/protobuf/map.h"
 #include "proto/csi.pb.h"
+#include "proto/state.pb.h"
 
 namespace fusekeeper {
 
@@ -33,5 +34,15 @@ absl::Status CheckName(const std::string& name, absl::string_view what);
 // the error for any other flag.
 absl::StatusOr<BindOptions> ParseBindOptions(const csi::v1::VolumeCapability& cap, bool readonly,
                                              absl::string_view kind);
+
+// The fingerprint of what a request asks for: `spec` (the kind and its fields) plus the
+// capability's fields, readonly and the staging path. Equal fingerprints are repeats of one
+// request; different ones for the same volume or path are conflicts. The bytes hashed must stay
+// what earlier agents saved, since saved state is compared after an upgrade.
+std::string RequestFingerprint(state::Spec spec, const csi::v1::VolumeCapability& cap, bool readonly,
+                               const std::string& staging_path);
+
+// What staged volume `v` was staged with (kind `kind`), as a publish of it is fingerprinted.
+state::Spec StagedSpec(const state::Volume& v, const std::string& kind);
 
 }  // namespace fusekeeper

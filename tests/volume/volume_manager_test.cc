@@ -115,6 +115,29 @@ TEST_F(VolumeManagerTest, SecondRpcForABusyVolumeWaitsItsTurnOtherVolumesProceed
   EXPECT_EQ(MountCountAt(StageReq("v").staging_target_path()), 1);
 }
 
+// A rollback to an agent that does not know a newer agent's volume kind: the volume is left out
+// (and said so), its state file is kept for the newer agent, and everything else works.
+TEST_F(VolumeManagerTest, StateOfAKindThisAgentDoesNotKnowIsLeftAlone) {
+  state::Volume future;
+  future.set_volume_id("from-a-newer-agent");
+  future.set_kind("nfs");
+  future.set_staging_path(root_.path() + "/kubelet/plugins/n/globalmount");
+  ASSERT_TRUE(store_->SaveBlocking(future).ok());
+  StartManager();
+  size_t count = 1;
+  lt_.RunOnLoop([&] { count = manager_->volume_count(); });
+  EXPECT_EQ(count, 0u);
+  auto staged = Stage(StageReq("v"));
+  ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(staged.get().ok());
+  std::vector<std::string> problems;
+  auto saved = store_->LoadAllBlocking(&problems);
+  ASSERT_TRUE(saved.ok());
+  bool kept = false;
+  for (const auto& v : *saved) kept = kept || (v.volume_id() == "from-a-newer-agent" && v.kind() == "nfs");
+  EXPECT_TRUE(kept) << "its state file is kept";
+}
+
 TEST_F(VolumeManagerTest, StatsAnswersAbnormalWithinItsDeadlineWhenStatfsHangs) {
   StartManager();
   auto staged = Stage(StageReq("v"));
