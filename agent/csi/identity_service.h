@@ -15,11 +15,14 @@ struct IdentityOptions {
   std::string driver_name;
   std::string vendor_version;
   std::map<std::string, std::string> manifest;
-  // Loop thread: further readiness (e.g. volume state reconciled). Null: always ready.
+  // Any thread, cheap: further readiness (e.g. volume state reconciled). Null: always ready.
   std::function<bool()> ready;
+  // Probe answers not ready while the loop has been busy in one go for this long: a wedged loop.
+  absl::Duration loop_stall_limit = absl::Seconds(5);
 };
 
-// Handlers run on gRPC threads and finish from the loop thread (see RpcDispatcher).
+// Every answer here is a constant or a few atomic reads: answered on the gRPC thread
+// (RpcDispatcher::AnswerInline), with no hop to the loop.
 class IdentityService final : public csi::v1::Identity::CallbackService {
  public:
   IdentityService(Loop& loop, RpcDispatcher& dispatcher, IdentityOptions options);
@@ -30,8 +33,9 @@ class IdentityService final : public csi::v1::Identity::CallbackService {
   grpc::ServerUnaryReactor* GetPluginCapabilities(grpc::CallbackServerContext* ctx,
                                                   const csi::v1::GetPluginCapabilitiesRequest* req,
                                                   csi::v1::GetPluginCapabilitiesResponse* resp) override;
-  // Ready only while the loop runs and is not shutting down: answered from the loop thread, so
-  // a wedged loop makes Probe time out and the livenessprobe sidecar restarts us.
+  // Ready only while the loop runs, is not stuck in one callback for loop_stall_limit (so the
+  // livenessprobe sidecar restarts a wedged agent), the agent is not shutting down and
+  // options.ready says so.
   grpc::ServerUnaryReactor* Probe(grpc::CallbackServerContext* ctx, const csi::v1::ProbeRequest* req,
                                   csi::v1::ProbeResponse* resp) override;
 

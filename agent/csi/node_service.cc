@@ -99,29 +99,27 @@ grpc::ServerUnaryReactor* NodeService::NodeGetCapabilities(
     grpc::CallbackServerContext* ctx, const csi::v1::NodeGetCapabilitiesRequest* req,
     csi::v1::NodeGetCapabilitiesResponse* resp) {
   // Only implemented capabilities are advertised.
-  return dispatcher_.Dispatch(ctx, "NodeGetCapabilities", /*quiet=*/true, *req, resp,
-                              [this](Responder r) {
-                                csi::v1::NodeGetCapabilitiesResponse caps;
-                                if (volumes_ != nullptr) {
-                                  using T = csi::v1::NodeServiceCapability::RPC;
-                                  for (auto type : {T::STAGE_UNSTAGE_VOLUME, T::GET_VOLUME_STATS,
-                                                    T::VOLUME_CONDITION, T::SINGLE_NODE_MULTI_WRITER,
-                                                    T::VOLUME_MOUNT_GROUP}) {
-                                    caps.add_capabilities()->mutable_rpc()->set_type(type);
-                                  }
-                                }
-                                r.Reply(caps);
-                              });
+  return dispatcher_.AnswerInline(ctx, "NodeGetCapabilities", *req, resp,
+                                  [this](csi::v1::NodeGetCapabilitiesResponse* caps) {
+                                    if (volumes_ != nullptr) {
+                                      using T = csi::v1::NodeServiceCapability::RPC;
+                                      for (auto type : {T::STAGE_UNSTAGE_VOLUME, T::GET_VOLUME_STATS,
+                                                        T::VOLUME_CONDITION, T::SINGLE_NODE_MULTI_WRITER,
+                                                        T::VOLUME_MOUNT_GROUP}) {
+                                        caps->add_capabilities()->mutable_rpc()->set_type(type);
+                                      }
+                                    }
+                                    return absl::OkStatus();
+                                  });
 }
 
 grpc::ServerUnaryReactor* NodeService::NodeGetInfo(grpc::CallbackServerContext* ctx,
                                                    const csi::v1::NodeGetInfoRequest* req,
                                                    csi::v1::NodeGetInfoResponse* resp) {
-  return dispatcher_.Dispatch(ctx, "NodeGetInfo", /*quiet=*/true, *req, resp, [this](Responder r) {
-    csi::v1::NodeGetInfoResponse info;
-    info.set_node_id(options_.node_id);
-    info.set_max_volumes_per_node(options_.max_volumes_per_node);
-    r.Reply(info);
+  return dispatcher_.AnswerInline(ctx, "NodeGetInfo", *req, resp, [this](csi::v1::NodeGetInfoResponse* info) {
+    info->set_node_id(options_.node_id);
+    info->set_max_volumes_per_node(options_.max_volumes_per_node);
+    return absl::OkStatus();
   });
 }
 

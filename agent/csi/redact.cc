@@ -3,6 +3,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "proto/csi.pb.h"
 
 namespace fusekeeper {
@@ -64,6 +65,36 @@ std::string RedactedDebugString(const Message& message) {
   copy->CopyFrom(message);
   Redact(copy.get());
   return copy->ShortDebugString();
+}
+
+std::string RpcSummary(const csi::v1::NodeStageVolumeRequest& r) {
+  return absl::StrCat("volume_id=", r.volume_id(), " staging_target_path=", r.staging_target_path());
+}
+
+std::string RpcSummary(const csi::v1::NodeUnstageVolumeRequest& r) {
+  return absl::StrCat("volume_id=", r.volume_id(), " staging_target_path=", r.staging_target_path());
+}
+
+std::string RpcSummary(const csi::v1::NodePublishVolumeRequest& r) {
+  std::string out = absl::StrCat("volume_id=", r.volume_id(), " target_path=", r.target_path());
+  if (!r.staging_target_path().empty()) absl::StrAppend(&out, " staging_target_path=", r.staging_target_path());
+  const auto& ctx = r.volume_context();
+  auto ns = ctx.find("csi.storage.k8s.io/pod.namespace"), name = ctx.find("csi.storage.k8s.io/pod.name");
+  if (ns != ctx.end() && name != ctx.end()) absl::StrAppend(&out, " pod=", ns->second, "/", name->second);
+  if (r.readonly()) absl::StrAppend(&out, " readonly");
+  return out;
+}
+
+std::string RpcSummary(const csi::v1::NodeUnpublishVolumeRequest& r) {
+  return absl::StrCat("volume_id=", r.volume_id(), " target_path=", r.target_path());
+}
+
+std::string RpcSummary(const csi::v1::NodeGetVolumeStatsRequest& r) {
+  return absl::StrCat("volume_id=", r.volume_id(), " volume_path=", r.volume_path());
+}
+
+std::string RpcSummary(const csi::v1::NodeExpandVolumeRequest& r) {
+  return absl::StrCat("volume_id=", r.volume_id(), " volume_path=", r.volume_path());
 }
 
 }  // namespace fusekeeper

@@ -92,8 +92,27 @@ class RpcDispatcher {
   // Any thread. Finishes every call still in flight with UNAVAILABLE; returns how many.
   int AbandonInFlight();
 
-  // gRPC thread. Every RPC is logged once, when it finishes, with its redacted request, result
-  // and latency (VLOG(1) also logs it when it starts). `quiet` RPCs (Probe, GetPluginInfo...:
+  // gRPC thread. For RPCs whose answer needs no volume state (constant facts, Probe): `answer`
+  // fills the response and returns the status right here, on the gRPC thread, without a hop to
+  // the loop. It must be cheap and must not block. Logged and observed like Dispatch.
+  template <typename Req, typename Resp, typename Answer>
+  grpc::ServerUnaryReactor* AnswerInline(grpc::CallbackServerContext* ctx, const char* method, const Req& req,
+                                         Resp* resp, Answer answer) {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    const absl::Time start = absl::Now();
+    VLOG(2) << method << " " << RedactedDebugString(req);
+    const absl::Status status =
+        draining() ? absl::UnavailableError("fusekeeper is shutting down") : answer(resp);
+    const absl::Duration took = absl::Now() - start;
+    LOG_IF(WARNING, !status.ok()) << method << " -> " << absl::StatusCodeToString(status.code()) << ": "
+                                  << status.message();
+    if (observer_) observer_(method, status.code(), took);
+    reactor->Finish(ToGrpcStatus(status));
+    return reactor;
+  }
+
+  // gRPC thread. Every RPC is logged once, when it finishes, with its summary (RpcSummary),
+  // result and latency (VLOG(1) also logs the whole redacted request when it starts). `quiet` RPCs (Probe, GetPluginInfo...:
   // polled by sidecars) log at VLOG(2) only. handler runs on the loop thread and must answer
   // through the Responder (or hand it on).
   template <typename Req>
@@ -101,12 +120,14 @@ class RpcDispatcher {
                                      bool quiet, const Req& req, google::protobuf::Message* resp,
                                      absl::AnyInvocable<void(Responder)> handler) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    // The one line per RPC carries only what names the RPC (RpcSummary: no copy, no
+    // reflection); the whole (redacted) request is logged at VLOG(1).
     std::string request_text;
     if (quiet) {
       VLOG(2) << method << " " << RedactedDebugString(req);
     } else {
-      request_text = RedactedDebugString(req);
-      VLOG(1) << method << " " << request_text << " started";
+      request_text = RpcSummary(req);
+      VLOG(1) << method << " " << RedactedDebugString(req) << " started";
     }
     auto call = std::make_shared<RpcCall>(this, reactor, resp, method, quiet, std::move(request_text));
     if (draining()) {

@@ -225,6 +225,13 @@ bool Loop::RunPosted() {
   return !posted_.empty();
 }
 
+std::chrono::nanoseconds Loop::busy_for() const {
+  const int64_t since = busy_since_ns_.load(std::memory_order_relaxed);
+  if (since == 0) return std::chrono::nanoseconds(0);
+  return std::max(std::chrono::nanoseconds(0),
+                  LoopClock::now() - LoopClock::time_point(LoopClock::duration(since)));
+}
+
 void Loop::Stop() {
   running_.store(false, std::memory_order_release);
   if (stop_requested_.exchange(true, std::memory_order_acq_rel)) return;
@@ -289,6 +296,7 @@ void Loop::Run() {
     CHECK_EQ(r, 0) << "IORING_REGISTER_ENABLE_RINGS: " << std::strerror(errno);
   }
   if (!stop_requested_.load()) running_.store(true, std::memory_order_release);
+  busy_since_ns_.store(LoopClock::now().time_since_epoch().count(), std::memory_order_relaxed);
   ArmWakeRead();
 
   LoopClock::time_point stop_deadline{};
@@ -332,7 +340,9 @@ void Loop::Run() {
       }
     }
     io_uring_cqe* cqe = nullptr;
+    busy_since_ns_.store(0, std::memory_order_relaxed);
     int r = io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, timeout, nullptr);
+    busy_since_ns_.store(LoopClock::now().time_since_epoch().count(), std::memory_order_relaxed);
     if (r < 0 && r != -ETIME && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
       LOG(ERROR) << "io_uring wait failed: " << std::strerror(-r);
     }

@@ -80,6 +80,10 @@ class Loop {
   bool IsLoopThread() const;
   // Any thread: true from the moment Run() starts until Stop() is requested.
   bool running() const { return running_.load(std::memory_order_acquire); }
+  // Any thread: how long the loop has been running callbacks without returning to wait on the
+  // ring (zero while it waits). A loop stuck in one callback shows here, so health checks can
+  // answer off the loop thread and still notice a wedged loop.
+  std::chrono::nanoseconds busy_for() const;
 
   // ---- Loop thread only (or the creating thread before Run) ----
 
@@ -127,6 +131,8 @@ class Loop {
   Completion wake_completion_;
 
   std::atomic<bool> running_{false};
+  // LoopClock nanoseconds since epoch when the loop last woke; 0 while it waits.
+  std::atomic<int64_t> busy_since_ns_{0};
   std::atomic<bool> stop_requested_{false};
   std::atomic<std::thread::id> loop_thread_{};
   bool stopping_ = false;

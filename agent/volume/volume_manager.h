@@ -8,6 +8,7 @@
 // volume_context["kind"] and never asks which kind a volume is; it is their VolumeHost.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <optional>
@@ -102,7 +103,8 @@ class VolumeManager final : public VolumeHost {
   // Loop thread. Loads saved state, reconciles it with the mount table (read through the ring),
   // and writes back what changed. RPCs before `done` get UNAVAILABLE.
   void Start(Done done);
-  bool ready() const { return ready_; }
+  // Any thread.
+  bool ready() const { return ready_.load(std::memory_order_acquire); }
 
   // Loop thread; `done` runs on the loop thread. Requests were validated (csi/validate).
   void Stage(const csi::v1::NodeStageVolumeRequest& req, Done done);
@@ -178,7 +180,7 @@ class VolumeManager final : public VolumeHost {
   MountTableReader& table_reader_;
   const VolumeManagerOptions options_;
   VolumeOpsContext ctx_;
-  bool ready_ = false;
+  std::atomic<bool> ready_{false};  // written on the loop; read anywhere (Probe)
   std::map<std::string, state::Volume> volumes_;
   std::map<std::string, std::unique_ptr<VolumeKind>> kinds_;  // by volume_context["kind"]
   std::unordered_set<std::string> busy_;

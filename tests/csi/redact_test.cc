@@ -47,5 +47,29 @@ TEST(RedactTest, EverySecretFieldInTheProtoIsCovered) {
   EXPECT_EQ(secret_fields, 3);  // NodeStage, NodePublish, NodeExpand
 }
 
+TEST(RedactTest, TheOneLineSummaryNamesVolumePathsAndPodAndNothingElse) {
+  csi::v1::NodePublishVolumeRequest pub;
+  pub.set_volume_id("vol-1");
+  pub.set_target_path("/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount");
+  pub.set_staging_target_path("/var/lib/kubelet/plugins/x/globalmount");
+  pub.mutable_volume_capability()->mutable_mount()->add_mount_flags("password=FLAG_SECRET");
+  (*pub.mutable_secrets())["token"] = "SECRET_TOKEN";
+  (*pub.mutable_volume_context())["bucket"] = "CONTEXT_VALUE";
+  (*pub.mutable_volume_context())["csi.storage.k8s.io/pod.namespace"] = "team";
+  (*pub.mutable_volume_context())["csi.storage.k8s.io/pod.name"] = "web-0";
+  const std::string s = RpcSummary(pub);
+  EXPECT_EQ(s,
+            "volume_id=vol-1 target_path=/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/v/mount "
+            "staging_target_path=/var/lib/kubelet/plugins/x/globalmount pod=team/web-0");
+  for (const char* hidden : {"FLAG_SECRET", "SECRET_TOKEN", "CONTEXT_VALUE"}) {
+    EXPECT_EQ(s.find(hidden), std::string::npos) << hidden;
+  }
+  csi::v1::NodeStageVolumeRequest stage;
+  stage.set_volume_id("vol-2");
+  stage.set_staging_target_path("/s");
+  (*stage.mutable_secrets())["token"] = "SECRET_TOKEN";
+  EXPECT_EQ(RpcSummary(stage), "volume_id=vol-2 staging_target_path=/s");
+}
+
 }  // namespace
 }  // namespace fusekeeper

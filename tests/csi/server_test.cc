@@ -54,6 +54,7 @@ class CsiServerTest : public ::testing::Test {
     options.identity.vendor_version = "9.9.9-test";
     options.identity.manifest = {{"k", "v"}};
     options.node.node_id = "node-a";
+    options.identity.loop_stall_limit = absl::Milliseconds(200);
     auto server = CsiServer::Start(lt_.loop(), options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -118,6 +119,34 @@ TEST_F(CsiServerTest, ProbeIsReadyWhileTheLoopRunsAndUnavailableWhenDraining) {
   grpc::Status s = identity_->Probe(ctx2.get(), {}, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(s.error_message().find("shutting down"), std::string::npos);
+}
+
+// Probe is answered on gRPC's thread (no hop), yet a loop stuck in one callback still makes it
+// not ready, so the livenessprobe sidecar restarts a wedged agent; and ready again once it moves.
+TEST_F(CsiServerTest, ProbeIsNotReadyWhileTheLoopIsWedgedAndReadyAgainAfter) {
+  auto ready = [&] {
+    csi::v1::ProbeResponse resp;
+    auto ctx = Ctx();
+    grpc::Status s = identity_->Probe(ctx.get(), {}, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.ready().value();
+  };
+  ASSERT_TRUE(ready());
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  ASSERT_TRUE(lt_.loop().Post([&entered, released] {
+    entered.set_value();
+    released.wait();  // the wedge
+  }));
+  ASSERT_EQ(entered.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+  bool saw_not_ready = false;
+  while (!saw_not_ready && std::chrono::steady_clock::now() < deadline) saw_not_ready = !ready();
+  EXPECT_TRUE(saw_not_ready) << "answered while the loop was wedged, and said not ready";
+  release.set_value();
+  bool ready_again = false;
+  while (!ready_again && std::chrono::steady_clock::now() < deadline) ready_again = ready();
+  EXPECT_TRUE(ready_again);
 }
 
 TEST_F(CsiServerTest, RpcsAfterTheLoopStoppedFailFastInsteadOfHanging) {
@@ -343,13 +372,17 @@ struct LoopHostage {
   }
 };
 
-// Sends NodeGetInfo from another thread while the loop is held, and returns once the server
-// has it in flight (queued for the loop).
+// Sends NodeGetVolumeStats (answered on the loop; this server has no volumes, so its own answer
+// is UNIMPLEMENTED) from another thread while the loop is held, and returns once the server has
+// it in flight (queued for the loop).
 std::future<grpc::Status> SendRpcBehindHostage(CsiServerTest* t) {
   auto rpc = std::async(std::launch::async, [t] {
-    csi::v1::NodeGetInfoResponse resp;
+    csi::v1::NodeGetVolumeStatsRequest req;
+    req.set_volume_id("v");
+    req.set_volume_path("/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/v/mount");
+    csi::v1::NodeGetVolumeStatsResponse resp;
     auto ctx = t->Ctx();
-    return t->node_->NodeGetInfo(ctx.get(), {}, &resp);
+    return t->node_->NodeGetVolumeStats(ctx.get(), req, &resp);
   });
   EXPECT_TRUE(t->server_->AwaitInFlightRpcsForTest(1, absl::FromChrono(kTestDeadline)));
   return rpc;
@@ -365,7 +398,8 @@ TEST_F(CsiServerTest, ShutdownLetsAnInFlightRpcFinishWithinGrace) {
   hostage.release.set_value();
   ASSERT_EQ(shutdown.wait_for(kTestDeadline), std::future_status::ready);
   ASSERT_EQ(rpc.wait_for(kTestDeadline), std::future_status::ready);
-  EXPECT_TRUE(rpc.get().ok());
+  grpc::Status status = rpc.get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << "its own answer: " << status.error_message();
 }
 
 TEST_F(CsiServerTest, ShutdownCancelsRpcsStillInFlightAfterGrace) {
