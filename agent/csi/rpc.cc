@@ -22,23 +22,25 @@ RpcCall::RpcCall(RpcDispatcher* dispatcher, grpc::ServerUnaryReactor* reactor,
       response_(response) {}
 
 bool RpcCall::Finish(const absl::Status& status, const google::protobuf::Message* body) {
+  absl::Duration took;
   {
     absl::MutexLock lock(&mu_);
     if (reactor_ == nullptr) return false;
     if (status.ok() && body != nullptr) response_->CopyFrom(*body);
-    const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start_);
-    if (!status.ok()) {
-      LOG(WARNING) << method_ << " " << request_text_ << " -> "
-                   << absl::StatusCodeToString(status.code()) << ": " << status.message() << " ("
-                   << micros << "us)";
-    } else if (quiet_) {
-      VLOG(2) << method_ << " -> OK (" << micros << "us)";
-    } else {
-      LOG(INFO) << method_ << " " << request_text_ << " -> OK (" << micros << "us)";
-    }
-    if (dispatcher_->observer_) dispatcher_->observer_(method_, status.code(), absl::Now() - start_);
+    took = absl::Now() - start_;
+    if (dispatcher_->observer_) dispatcher_->observer_(method_, status.code(), took);
     std::exchange(reactor_, nullptr)->Finish(ToGrpcStatus(status));
     response_ = nullptr;
+  }
+  // Logged once the answer is on its way: the caller does not wait for the log write.
+  const int64_t micros = absl::ToInt64Microseconds(took);
+  if (!status.ok()) {
+    LOG(WARNING) << method_ << " " << request_text_ << " -> " << absl::StatusCodeToString(status.code()) << ": "
+                 << status.message() << " (" << micros << "us)";
+  } else if (quiet_) {
+    VLOG(2) << method_ << " -> OK (" << micros << "us)";
+  } else {
+    LOG(INFO) << method_ << " " << request_text_ << " -> OK (" << micros << "us)";
   }
   dispatcher_->Unregister(this);
   return true;

@@ -101,8 +101,9 @@ std::string StateStore::FileFor(const std::string& volume_id) const {
 
 absl::Status StateStore::SaveBlocking(const state::Volume& volume) const {
   static std::atomic<uint64_t> counter{0};
+  static const pid_t pid = getpid();  // the temp name's owner; one syscall fewer per save
   const std::string final_path = FileFor(volume.volume_id());
-  const std::string tmp = absl::StrCat(final_path, kTmpMarker, getpid(), ".", counter++);
+  const std::string tmp = absl::StrCat(final_path, kTmpMarker, pid, ".", counter++);
   std::string data;
   if (!volume.SerializeToString(&data)) return absl::InternalError("serialising volume state");
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));

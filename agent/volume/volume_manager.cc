@@ -143,6 +143,19 @@ const state::Volume* VolumeManager::Find(const std::string& volume_id) const {
 }
 
 void VolumeManager::RunClaimed(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done) {
+  RunJob(volume_id, std::move(job), std::move(done), /*answer_from_pool=*/false);
+}
+
+void VolumeManager::RunRpcJob(const std::string& volume_id, absl::StatusOr<KindJob> job, Done done) {
+  if (!job.ok()) {
+    Release(volume_id);
+    return done(job.status());
+  }
+  RunJob(volume_id, std::move(*job), std::move(done), /*answer_from_pool=*/true);
+}
+
+void VolumeManager::RunJob(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done,
+                           bool answer_from_pool) {
   if (!job.work) {
     Release(volume_id);
     if (done) done(absl::OkStatus());
@@ -152,38 +165,54 @@ void VolumeManager::RunClaimed(const std::string& volume_id, KindJob job, absl::
     absl::AnyInvocable<absl::StatusOr<AdoptFn>()> work;
     absl::StatusOr<AdoptFn> result = absl::UnknownError("not run");
     absl::AnyInvocable<void(absl::Status)> done;
+    bool ran = false;
   };
   auto r = std::make_shared<Running>();
   r->work = std::move(job.work);
   r->done = std::move(done);
+  // On the loop: record the state the job left, end the claim (the next operation on the volume
+  // sees that state), and (unless the pool thread answered already) pass the outcome on.
+  auto finish = [this, volume_id](const std::shared_ptr<Running>& r, bool answer) {
+    const absl::Status outcome = r->result.status();
+    if (outcome.ok()) {
+      VolumeChange change = (*r->result)();
+      if (change.what == VolumeChange::kSet) {
+        volumes_[volume_id] = std::move(change.volume);
+      } else if (change.what == VolumeChange::kErase) {
+        volumes_.erase(volume_id);
+      }
+    }
+    Release(volume_id);
+    if (answer && r->done) r->done(outcome);
+  };
   absl::Status s = pool_.Submit(
-      std::move(job.reason), [r] { r->result = r->work(); },
-      [this, volume_id, r](absl::Status ran) {
-        absl::Status outcome = ran.ok() ? r->result.status() : ran;
-        if (outcome.ok()) {
-          // The new state is recorded before the claim ends: the next operation sees it.
-          VolumeChange change = (*r->result)();
-          if (change.what == VolumeChange::kSet) {
-            volumes_[volume_id] = std::move(change.volume);
-          } else if (change.what == VolumeChange::kErase) {
-            volumes_.erase(volume_id);
-          }
+      std::move(job.reason),
+      [this, r, finish, answer_from_pool]() mutable {
+        r->result = r->work();
+        r->ran = true;
+        if (!answer_from_pool) return;
+        // The RPC is answered from here, saving the hop back through the loop. Its outcome is
+        // posted to the loop first: anything the caller sends once it has the answer is queued
+        // behind it, so it sees the state this job left.
+        const absl::Status outcome = r->result.status();
+        if (!loop_.Post([r, finish]() mutable { finish(r, /*answer=*/false); })) {
+          r->done(absl::UnavailableError("fusekeeper is shutting down"));
+          return;
         }
-        Release(volume_id);
-        if (r->done) r->done(outcome);
+        r->done(outcome);
+      },
+      [this, volume_id, r, finish, answer_from_pool](absl::Status ran) mutable {
+        if (!ran.ok() || !r->ran) {  // the pool shut down before the work started
+          Release(volume_id);
+          if (r->done) r->done(ran.ok() ? absl::CancelledError("not run") : ran);
+          return;
+        }
+        if (!answer_from_pool) finish(r, /*answer=*/true);
       });
   if (!s.ok()) {
     Release(volume_id);
     if (r->done) r->done(s);
   }
-}
-
-void VolumeManager::RunRpcJob(const std::string& volume_id, absl::StatusOr<KindJob> job, Done done) {
-  if (!job.ok()) {
-    Release(volume_id);
-    return done(job.status());
-  }
-  RunClaimed(volume_id, std::move(*job), std::move(done));
 }
 
 absl::StatusOr<VolumeKind*> VolumeManager::KindFor(
@@ -270,7 +299,7 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
     if (auto s = Claim(id); !s.ok()) return done(s);
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
-    return RunClaimed(id,
+    return RunRpcJob(id,
                       StateJob("NodeUnstageVolume",
                                [ctx = ctx_, path = req.staging_target_path(), id,
                                 keep]() -> absl::StatusOr<std::optional<state::Volume>> {
@@ -292,7 +321,7 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
                                                            "; unpublish them first")));
   }
   if (auto s = Claim(id); !s.ok()) return done(s);
-  RunClaimed(id, KindOf(v).Unstage(v), std::move(done));
+  RunRpcJob(id, KindOf(v).Unstage(v), std::move(done));
 }
 
 void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done done) {
@@ -396,7 +425,7 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
     // A repeat (already unpublished) or a target we never published: OK if nothing is mounted.
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
-    return RunClaimed(id,
+    return RunRpcJob(id,
                       StateJob("NodeUnpublishVolume",
                                [ctx = ctx_, target, id, keep]() -> absl::StatusOr<std::optional<state::Volume>> {
                                  if (auto s = ForgetUnknownPathBlocking(ctx, target, id, /*remove_dir=*/true); !s.ok()) {
@@ -406,7 +435,7 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
                                }),
                       std::move(done));
   }
-  RunClaimed(id, KindOf(it->second).Unpublish(it->second, *known), std::move(done));
+  RunRpcJob(id, KindOf(it->second).Unpublish(it->second, *known), std::move(done));
 }
 
 void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDone done) {

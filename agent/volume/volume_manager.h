@@ -106,7 +106,9 @@ class VolumeManager final : public VolumeHost {
   // Any thread.
   bool ready() const { return ready_.load(std::memory_order_acquire); }
 
-  // Loop thread; `done` runs on the loop thread. Requests were validated (csi/validate).
+  // Loop thread. Requests were validated (csi/validate). `done` must be thread-safe: it runs on
+  // the loop thread, or on the pool thread that did the RPC's work, right after the outcome was
+  // posted to the loop (so whatever its caller sends next sees that outcome).
   void Stage(const csi::v1::NodeStageVolumeRequest& req, Done done);
   void Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done done);
   void Publish(const csi::v1::NodePublishVolumeRequest& req, Done done);
@@ -166,8 +168,12 @@ class VolumeManager final : public VolumeHost {
   absl::StatusOr<state::Spec> RequestSpec(VolumeKind& kind,
                                           const google::protobuf::Map<std::string, std::string>& volume_context,
                                           const csi::v1::VolumeCapability& cap, bool staged) const;
-  // Runs `job` under the claim `Claim` took and answers `done` with its outcome.
+  // Runs `job` under the claim `Claim` took and answers `done` with its outcome, from the pool
+  // thread (see Stage). An error instead of a job ends the claim and is the answer.
   void RunRpcJob(const std::string& volume_id, absl::StatusOr<KindJob> job, Done done);
+  // RunClaimed and RunRpcJob: `answer_from_pool` says where `done` runs.
+  void RunJob(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done,
+              bool answer_from_pool);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
   // ALREADY_EXISTS if `path` is, contains or lies inside any path of any volume (other than the
   // same path of `volume_id` itself: a repeat). `field` names it in the message.
