@@ -340,13 +340,15 @@ BENCHMARK(BM_PublishUnpublishRoundTrip)->Threads(64)->UseRealTime()->Unit(benchm
 // retried with kubelet's backoff (500 ms doubling, up to 2 min 2 s) on any error. Time until all
 // are OK, and how many retries that took. Baseline (from the issue, same client):
 // csi-driver-host-path answers 50 in 0.49 s.
+// Second argument 1: the same storm against N distinct volumes (one per pod), for comparison.
 void BM_KubeletStorm(benchmark::State& state) {
   Agent& a = TheAgent();
   const int n = static_cast<int>(state.range(0));
-  const std::string id = "storm";
-  const std::string staging = StagedVolume(id);
-  std::vector<std::string> targets;
+  const bool distinct = state.range(1) != 0;
+  std::vector<std::string> ids, stagings, targets;
   for (int i = 0; i < n; ++i) {
+    ids.push_back(distinct ? "storm-" + std::to_string(i) : "storm");
+    stagings.push_back(StagedVolume(ids.back()));
     const std::string parent = Root() + "/kubelet/pods/storm" + std::to_string(i) + "/volumes/kubernetes.io~csi/v";
     fs::create_directories(parent);
     targets.push_back(parent + "/mount");
@@ -357,7 +359,8 @@ void BM_KubeletStorm(benchmark::State& state) {
     for (int i = 0; i < n; ++i) {
       pods.emplace_back([&, i] {
         auto stub = csi::v1::Node::NewStub(a.channel);
-        const csi::v1::NodePublishVolumeRequest pub = PublishRequest(id, staging, targets[static_cast<size_t>(i)]);
+        const size_t k = static_cast<size_t>(i);
+        const csi::v1::NodePublishVolumeRequest pub = PublishRequest(ids[k], stagings[k], targets[k]);
         auto backoff = std::chrono::milliseconds(500);
         while (true) {
           grpc::ClientContext c;
@@ -372,10 +375,10 @@ void BM_KubeletStorm(benchmark::State& state) {
     for (auto& p : pods) p.join();
     state.PauseTiming();
     auto stub = csi::v1::Node::NewStub(a.channel);
-    for (const auto& t : targets) {
+    for (size_t k = 0; k < targets.size(); ++k) {
       csi::v1::NodeUnpublishVolumeRequest unpub;
-      unpub.set_volume_id(id);
-      unpub.set_target_path(t);
+      unpub.set_volume_id(ids[k]);
+      unpub.set_target_path(targets[k]);
       grpc::ClientContext c;
       csi::v1::NodeUnpublishVolumeResponse r;
       CHECK(stub->NodeUnpublishVolume(&c, unpub, &r).ok());
@@ -385,7 +388,12 @@ void BM_KubeletStorm(benchmark::State& state) {
   state.counters["retries_per_storm"] =
       benchmark::Counter(static_cast<double>(retries.load()), benchmark::Counter::kAvgIterations);
 }
-BENCHMARK(BM_KubeletStorm)->Arg(10)->Arg(50)->Arg(110)->Iterations(5)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_KubeletStorm)
+    ->ArgsProduct({{10, 50, 110}, {0, 1}})
+    ->ArgNames({"pods", "distinct"})
+    ->Iterations(5)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 void BM_ProbeRoundTrip(benchmark::State& state) {
   Agent& a = TheAgent();

@@ -9,6 +9,8 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
+#include <mutex>
 
 #include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
@@ -93,6 +95,62 @@ absl::StatusOr<StateStore> StateStore::Open(const std::string& dir, absl::Durati
   }
   closedir(d);
   return StateStore(volumes, std::move(lock));
+}
+
+struct StateStore::VolumeLocks {
+  std::mutex mu;
+  std::map<std::string, std::weak_ptr<std::mutex>> by_volume;  // guarded by mu
+  std::shared_ptr<std::mutex> For(const std::string& volume_id) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::shared_ptr<std::mutex> m = by_volume[volume_id].lock();
+    if (m == nullptr) {
+      m = std::make_shared<std::mutex>();
+      by_volume[volume_id] = m;
+    }
+    // Entries of volumes no one holds go when the map grows: bounded by the volumes in use.
+    if (by_volume.size() > 64) {
+      for (auto it = by_volume.begin(); it != by_volume.end();) {
+        it = it->second.expired() ? by_volume.erase(it) : std::next(it);
+      }
+    }
+    return m;
+  }
+};
+
+StateStore::StateStore(std::string dir, UniqueFd lock)
+    : dir_(std::move(dir)), lock_(std::move(lock)), locks_(std::make_shared<VolumeLocks>()) {}
+
+absl::Status StateStore::SaveTargetBlocking(const state::Volume& volume, const std::string& path) const {
+  std::shared_ptr<std::mutex> m = locks_->For(volume.volume_id());
+  std::lock_guard<std::mutex> lock(*m);
+  const std::string file = FileFor(volume.volume_id());
+  UniqueFd fd(open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) {
+    if (errno == ENOENT) return SaveBlocking(volume);
+    return ErrnoStatus(errno, "opening", file);
+  }
+  state::Volume saved;
+  if (!saved.ParseFromFileDescriptor(fd.get())) return absl::DataLossError(absl::StrCat("unreadable volume state ", file));
+  fd.Reset();
+  const state::Target* mine = nullptr;
+  for (const auto& t : volume.targets()) {
+    if (t.path() == path) mine = &t;
+  }
+  bool placed = false;
+  auto* targets = saved.mutable_targets();
+  for (int i = 0; i < targets->size();) {
+    if (targets->Get(i).path() != path) {
+      ++i;
+    } else if (mine != nullptr && !placed) {
+      *targets->Mutable(i) = *mine;
+      placed = true;
+      ++i;
+    } else {
+      targets->DeleteSubrange(i, 1);
+    }
+  }
+  if (mine != nullptr && !placed) *saved.add_targets() = *mine;
+  return SaveBlocking(saved);
 }
 
 std::string StateStore::FileFor(const std::string& volume_id) const {

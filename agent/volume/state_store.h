@@ -5,6 +5,7 @@
 // All methods block (file I/O): call them on the BlockingPool.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,12 @@ class StateStore {
   static absl::StatusOr<StateStore> Open(const std::string& dir, absl::Duration lock_wait = absl::ZeroDuration());
 
   absl::Status SaveBlocking(const state::Volume& volume) const;
+  // Records only target `path` of `volume` (its entry in volume.targets(), or its absence: the
+  // target is removed) into the saved state of the volume, keeping every other field and target
+  // as saved. For work on distinct targets of one staged volume that runs concurrently: each
+  // writes its own target, none undoes another's. Serialised per volume; if nothing is saved
+  // yet, saves `volume` whole.
+  absl::Status SaveTargetBlocking(const state::Volume& volume, const std::string& path) const;
   // Idempotent: removing a volume that has no file is OK.
   absl::Status RemoveBlocking(const std::string& volume_id) const;
   // Every readable volume. Unreadable files are renamed *.corrupt and reported in `problems`.
@@ -33,10 +40,12 @@ class StateStore {
   const std::string& dir() const { return dir_; }
 
  private:
-  StateStore(std::string dir, UniqueFd lock) : dir_(std::move(dir)), lock_(std::move(lock)) {}
+  struct VolumeLocks;
+  StateStore(std::string dir, UniqueFd lock);
   std::string FileFor(const std::string& volume_id) const;
   std::string dir_;  // <state_dir>/volumes
   UniqueFd lock_;    // <state_dir>/agent.lock, flock(LOCK_EX) held
+  std::shared_ptr<VolumeLocks> locks_;  // SaveTargetBlocking's read-modify-write, per volume
 };
 
 // Lower-case hex SHA-256.

@@ -111,30 +111,72 @@ void VolumeManager::Start(Done done) {
   if (!submitted.ok()) LOG(ERROR) << submitted;
 }
 
-absl::Status VolumeManager::Claim(const std::string& volume_id) {
+bool VolumeManager::CanClaim(const std::string& volume_id, const std::string& target) const {
+  auto it = claims_.find(volume_id);
+  if (it == claims_.end()) return true;
+  if (it->second.whole) return false;
+  return !target.empty() && it->second.targets.count(target) == 0;
+}
+
+bool VolumeManager::Busy(const std::string& volume_id) const { return claims_.count(volume_id) > 0; }
+
+absl::Status VolumeManager::Claim(const std::string& volume_id, const std::string& target) {
   if (!ready_) return absl::UnavailableError("fusekeeper is still reconciling volume state; retry");
-  if (!busy_.insert(volume_id).second) {
-    return absl::AbortedError(
-        absl::StrCat("an operation on volume ", volume_id, " is already in progress"));
+  if (!CanClaim(volume_id, target)) {
+    return absl::AbortedError(absl::StrCat("an operation on volume ", volume_id, " is already in progress"));
+  }
+  Claims& c = claims_[volume_id];
+  if (target.empty()) {
+    c.whole = true;
+  } else {
+    c.targets.insert(target);
   }
   return absl::OkStatus();
 }
 
-void VolumeManager::Release(const std::string& volume_id) {
-  busy_.erase(volume_id);
+void VolumeManager::Release(const std::string& volume_id) { ReleaseClaim(volume_id, ""); }
+
+void VolumeManager::ReleaseClaim(const std::string& volume_id, const std::string& target) {
+  auto c = claims_.find(volume_id);
+  if (c != claims_.end()) {
+    if (target.empty()) {
+      c->second.whole = false;
+    } else {
+      c->second.targets.erase(target);
+    }
+    if (!c->second.whole && c->second.targets.empty()) claims_.erase(c);
+  }
   auto it = waiters_.find(volume_id);
   if (it == waiters_.end()) return;
-  std::shared_ptr<Waiter> next = std::move(it->second.front());
-  it->second.pop_front();
-  if (it->second.empty()) waiters_.erase(it);
-  loop_.CancelTimer(next->timer);
-  // Run after the current callback: the finished operation's `done` answers first. The waiter
-  // starts from scratch (it sees the state the finished operation left).
-  loop_.Post([next] { next->run(std::move(next->done)); });
+  // In order, every waiter at the front whose claim is now free (several publishes of distinct
+  // targets can start together); the first that must still wait keeps its place, and those
+  // behind it keep theirs. Each starts from scratch after the current callback (the finished
+  // operation answers first) and sees the state that operation left.
+  std::set<std::string> starting;  // targets of waiters started here
+  bool whole_starting = false;
+  auto& q = it->second;
+  while (!q.empty()) {
+    const std::shared_ptr<Waiter>& w = q.front();
+    const bool free = CanClaim(volume_id, w->target) && !whole_starting &&
+                      (w->target.empty() ? starting.empty() : starting.count(w->target) == 0);
+    if (!free) break;
+    whole_starting = w->target.empty();
+    starting.insert(w->target);
+    std::shared_ptr<Waiter> next = w;
+    q.pop_front();
+    loop_.CancelTimer(next->timer);
+    loop_.Post([this, next] {
+      resuming_waiter_ = true;
+      next->run(std::move(next->done));
+      resuming_waiter_ = false;
+    });
+    if (whole_starting) break;
+  }
+  if (q.empty()) waiters_.erase(it);
 }
 
 bool VolumeManager::TryClaim(const std::string& volume_id) {
-  return ready_ && busy_.insert(volume_id).second;
+  return Claim(volume_id, "").ok();
 }
 
 const state::Volume* VolumeManager::Find(const std::string& volume_id) const {
@@ -143,21 +185,22 @@ const state::Volume* VolumeManager::Find(const std::string& volume_id) const {
 }
 
 void VolumeManager::RunClaimed(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done) {
-  RunJob(volume_id, std::move(job), std::move(done), /*answer_from_pool=*/false);
+  RunJob(volume_id, "", std::move(job), std::move(done), /*answer_from_pool=*/false);
 }
 
-void VolumeManager::RunRpcJob(const std::string& volume_id, absl::StatusOr<KindJob> job, Done done) {
+void VolumeManager::RunRpcJob(const std::string& volume_id, const std::string& target, absl::StatusOr<KindJob> job,
+                              Done done) {
   if (!job.ok()) {
-    Release(volume_id);
+    ReleaseClaim(volume_id, target);
     return done(job.status());
   }
-  RunJob(volume_id, std::move(*job), std::move(done), /*answer_from_pool=*/true);
+  RunJob(volume_id, target, std::move(*job), std::move(done), /*answer_from_pool=*/true);
 }
 
-void VolumeManager::RunJob(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done,
-                           bool answer_from_pool) {
+void VolumeManager::RunJob(const std::string& volume_id, const std::string& target, KindJob job,
+                           absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool) {
   if (!job.work) {
-    Release(volume_id);
+    ReleaseClaim(volume_id, target);
     if (done) done(absl::OkStatus());
     return;
   }
@@ -172,17 +215,21 @@ void VolumeManager::RunJob(const std::string& volume_id, KindJob job, absl::AnyI
   r->done = std::move(done);
   // On the loop: record the state the job left, end the claim (the next operation on the volume
   // sees that state), and (unless the pool thread answered already) pass the outcome on.
-  auto finish = [this, volume_id](const std::shared_ptr<Running>& r, bool answer) {
+  auto finish = [this, volume_id, target](const std::shared_ptr<Running>& r, bool answer) {
     const absl::Status outcome = r->result.status();
     if (outcome.ok()) {
       VolumeChange change = (*r->result)();
-      if (change.what == VolumeChange::kSet) {
+      if (!target.empty() && change.what == VolumeChange::kSet) {
+        // Work on one target of a staged volume, beside others: only that target is taken
+        // from the job's copy (see Publish).
+        RecordTarget(volume_id, change.volume, target);
+      } else if (change.what == VolumeChange::kSet) {
         volumes_[volume_id] = std::move(change.volume);
       } else if (change.what == VolumeChange::kErase) {
         volumes_.erase(volume_id);
       }
     }
-    Release(volume_id);
+    ReleaseClaim(volume_id, target);
     if (answer && r->done) r->done(outcome);
   };
   absl::Status s = pool_.Submit(
@@ -201,18 +248,38 @@ void VolumeManager::RunJob(const std::string& volume_id, KindJob job, absl::AnyI
         }
         r->done(outcome);
       },
-      [this, volume_id, r, finish, answer_from_pool](absl::Status ran) mutable {
+      [this, volume_id, target, r, finish, answer_from_pool](absl::Status ran) mutable {
         if (!ran.ok() || !r->ran) {  // the pool shut down before the work started
-          Release(volume_id);
+          ReleaseClaim(volume_id, target);
           if (r->done) r->done(ran.ok() ? absl::CancelledError("not run") : ran);
           return;
         }
         if (!answer_from_pool) finish(r, /*answer=*/true);
       });
   if (!s.ok()) {
-    Release(volume_id);
+    ReleaseClaim(volume_id, target);
     if (r->done) r->done(s);
   }
+}
+
+void VolumeManager::RecordTarget(const std::string& volume_id, const state::Volume& from, const std::string& path) {
+  auto it = volumes_.find(volume_id);
+  if (it == volumes_.end()) return;  // cannot happen: unstaging needs the whole volume's claim
+  const state::Target* mine = nullptr;
+  for (const auto& t : from.targets()) {
+    if (t.path() == path) mine = &t;
+  }
+  auto* targets = it->second.mutable_targets();
+  for (int i = 0; i < targets->size(); ++i) {
+    if (targets->Get(i).path() != path) continue;
+    if (mine != nullptr) {
+      *targets->Mutable(i) = *mine;
+    } else {
+      targets->DeleteSubrange(i, 1);
+    }
+    return;
+  }
+  if (mine != nullptr) *it->second.add_targets() = *mine;
 }
 
 absl::StatusOr<VolumeKind*> VolumeManager::KindFor(
@@ -248,7 +315,7 @@ absl::StatusOr<state::Spec> VolumeManager::RequestSpec(
 
 void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  if (WaitTurn(id, req, done, &VolumeManager::Stage)) return;
+  if (WaitTurn(id, "", req, done, &VolumeManager::Stage)) return;
   auto kind = KindFor(req.volume_context());
   if (!kind.ok()) return done(kind.status());
   auto spec = RequestSpec(**kind, req.volume_context(), req.volume_capability(), /*staged=*/true);
@@ -283,23 +350,23 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
   (*kind)->ApplySpec(*spec, &call.volume);
   call.volume.set_staging_path(req.staging_target_path());
   call.volume.set_staging_fingerprint(fp);
-  if (auto s = Claim(id); !s.ok()) return done(s);
-  RunRpcJob(id, (*kind)->Stage(std::move(call)), std::move(done));
+  if (auto s = Claim(id, ""); !s.ok()) return done(s);
+  RunRpcJob(id, "", (*kind)->Stage(std::move(call)), std::move(done));
 }
 
 void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  if (WaitTurn(id, req, done, &VolumeManager::Unstage)) return;
+  if (WaitTurn(id, "", req, done, &VolumeManager::Unstage)) return;
   if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
     return done(rel.status());
   }
   auto it = volumes_.find(id);
   if (it == volumes_.end() || it->second.staging_path().empty()) {
     // Already unstaged (a repeat), or never staged by us: OK if nothing is mounted there.
-    if (auto s = Claim(id); !s.ok()) return done(s);
+    if (auto s = Claim(id, ""); !s.ok()) return done(s);
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
-    return RunRpcJob(id,
+    return RunRpcJob(id, "",
                       StateJob("NodeUnstageVolume",
                                [ctx = ctx_, path = req.staging_target_path(), id,
                                 keep]() -> absl::StatusOr<std::optional<state::Volume>> {
@@ -320,16 +387,21 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
                                                            " target(s), e.g. ", v.targets(0).path(),
                                                            "; unpublish them first")));
   }
-  if (auto s = Claim(id); !s.ok()) return done(s);
-  RunRpcJob(id, KindOf(v).Unstage(v), std::move(done));
+  if (auto s = Claim(id, ""); !s.ok()) return done(s);
+  RunRpcJob(id, "", KindOf(v).Unstage(v), std::move(done));
 }
 
 void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  if (WaitTurn(id, req, done, &VolumeManager::Publish)) return;
   const std::string& target = req.target_path();
+  // Publishes of distinct targets of a staged volume run side by side, each under its target's
+  // claim (state writes touch only their own target: StateStore::SaveTargetBlocking); anything
+  // else on the volume, and the same target again, waits its turn.
+  const bool staged_request = !req.staging_target_path().empty();
+  const std::string scope = staged_request ? target : "";
+  if (WaitTurn(id, scope, req, done, &VolumeManager::Publish)) return;
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
-  const bool staged = !req.staging_target_path().empty();
+  const bool staged = staged_request;
   if (staged) {
     if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
       return done(rel.status());
@@ -404,16 +476,19 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     t->set_pod_uid(ContextValue(req.volume_context(), kPodUidKey));
     call.index = v.targets_size() - 1;
   }
-  if (auto s = Claim(id); !s.ok()) return done(s);
-  RunRpcJob(id, kind->Publish(std::move(call)), std::move(done));
+  if (auto s = Claim(id, scope); !s.ok()) return done(s);
+  RunRpcJob(id, scope, kind->Publish(std::move(call)), std::move(done));
 }
 
 void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  if (WaitTurn(id, req, done, &VolumeManager::Unpublish)) return;
   const std::string& target = req.target_path();
+  // A target of a staged volume: only that target's claim (see Publish).
+  auto staged = volumes_.find(id);
+  const std::string scope = staged != volumes_.end() && !staged->second.staging_path().empty() ? target : "";
+  if (WaitTurn(id, scope, req, done, &VolumeManager::Unpublish)) return;
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
-  if (auto s = Claim(id); !s.ok()) return done(s);
+  if (auto s = Claim(id, scope); !s.ok()) return done(s);
   auto it = volumes_.find(id);
   const state::Target* known = nullptr;
   if (it != volumes_.end()) {
@@ -425,7 +500,7 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
     // A repeat (already unpublished) or a target we never published: OK if nothing is mounted.
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
-    return RunRpcJob(id,
+    return RunRpcJob(id, scope,
                       StateJob("NodeUnpublishVolume",
                                [ctx = ctx_, target, id, keep]() -> absl::StatusOr<std::optional<state::Volume>> {
                                  if (auto s = ForgetUnknownPathBlocking(ctx, target, id, /*remove_dir=*/true); !s.ok()) {
@@ -435,7 +510,7 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
                                }),
                       std::move(done));
   }
-  RunRpcJob(id, KindOf(it->second).Unpublish(it->second, *known), std::move(done));
+  RunRpcJob(id, scope, KindOf(it->second).Unpublish(it->second, *known), std::move(done));
 }
 
 void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDone done) {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <unordered_set>
+#include <utility>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
@@ -140,7 +141,7 @@ class VolumeManager final : public VolumeHost {
   const VolumeOpsContext& ops_context() const override { return ctx_; }
   const std::map<std::string, state::Volume>& volumes() const override { return volumes_; }
   const state::Volume* Find(const std::string& volume_id) const override;
-  bool Busy(const std::string& volume_id) const override { return busy_.count(volume_id) > 0; }
+  bool Busy(const std::string& volume_id) const override;
   bool TryClaim(const std::string& volume_id) override;
   void Release(const std::string& volume_id) override;
   void RunClaimed(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done) override;
@@ -152,14 +153,22 @@ class VolumeManager final : public VolumeHost {
   void RecoveryFinished(const std::string& how, const std::string& outcome, absl::Duration latency) override;
 
  private:
-  // Marks volume_id busy for the duration; ABORTED if it already is, UNAVAILABLE before Start.
-  absl::Status Claim(const std::string& volume_id);
-  // If volume_id is busy, queues `method(req, done)` to run when it is free and returns true
+  // Claims: the whole volume (`target` empty: stage, unstage, inline volumes, repairs), or one
+  // target of a staged volume (its publish or unpublish). A whole claim excludes every other
+  // claim; target claims exclude the whole claim and claims of the same target only.
+  bool CanClaim(const std::string& volume_id, const std::string& target) const;
+  // Takes the claim for the duration; ABORTED if it is not free, UNAVAILABLE before Start.
+  absl::Status Claim(const std::string& volume_id, const std::string& target);
+  // Ends a claim; the waiters at the front of the volume's queue whose claims are now free run.
+  void ReleaseClaim(const std::string& volume_id, const std::string& target);
+  // If the claim is not free, queues `method(req, done)` to run when it may be and returns true
   // (`done` is then owned by the queue: answered by the method, or with an error if the wait is
-  // too long or the queue full). False: not busy, go ahead.
+  // too long or the queue full). False: free, go ahead.
   template <typename Req>
-  bool WaitTurn(const std::string& volume_id, const Req& req, Done& done,
+  bool WaitTurn(const std::string& volume_id, const std::string& target, const Req& req, Done& done,
                 void (VolumeManager::*method)(const Req&, Done));
+  // Records what `from` (a job's copy of the volume) says of target `path` into the volume.
+  void RecordTarget(const std::string& volume_id, const state::Volume& from, const std::string& path);
   // The kind named in volume_context (INVALID_ARGUMENT naming the supported ones if none is).
   absl::StatusOr<VolumeKind*> KindFor(const google::protobuf::Map<std::string, std::string>& volume_context) const;
   // The kind of a recorded volume (state saved before kinds existed: hostPath).
@@ -170,10 +179,11 @@ class VolumeManager final : public VolumeHost {
                                           const csi::v1::VolumeCapability& cap, bool staged) const;
   // Runs `job` under the claim `Claim` took and answers `done` with its outcome, from the pool
   // thread (see Stage). An error instead of a job ends the claim and is the answer.
-  void RunRpcJob(const std::string& volume_id, absl::StatusOr<KindJob> job, Done done);
-  // RunClaimed and RunRpcJob: `answer_from_pool` says where `done` runs.
-  void RunJob(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done,
-              bool answer_from_pool);
+  void RunRpcJob(const std::string& volume_id, const std::string& target, absl::StatusOr<KindJob> job, Done done);
+  // RunClaimed and RunRpcJob: `target` names the claim (Claim), `answer_from_pool` where `done`
+  // runs. A job under a target claim changes only that target of the recorded volume.
+  void RunJob(const std::string& volume_id, const std::string& target, KindJob job,
+              absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
   // ALREADY_EXISTS if `path` is, contains or lies inside any path of any volume (other than the
   // same path of `volume_id` itself: a repeat). `field` names it in the message.
@@ -189,13 +199,19 @@ class VolumeManager final : public VolumeHost {
   std::atomic<bool> ready_{false};  // written on the loop; read anywhere (Probe)
   std::map<std::string, state::Volume> volumes_;
   std::map<std::string, std::unique_ptr<VolumeKind>> kinds_;  // by volume_context["kind"]
-  std::unordered_set<std::string> busy_;
+  struct Claims {
+    bool whole = false;
+    std::set<std::string> targets;
+  };
+  std::map<std::string, Claims> claims_;  // volumes with any claim
   struct Waiter {
+    std::string target;  // the claim it waits for ("" : the whole volume)
     absl::AnyInvocable<void(Done)> run;
     Done done;
     TimerId timer = 0;
   };
   std::map<std::string, std::deque<std::shared_ptr<Waiter>>> waiters_;  // per busy volume, FIFO
+  bool resuming_waiter_ = false;  // set while a waiter whose turn came re-enters its method
   std::set<std::string> terminating_pods_;
   bool audit_retry_pending_ = false;  // an audit that skipped busy volumes looks again soon
   std::unique_ptr<BlockingPool> own_probe_pool_;
@@ -214,9 +230,21 @@ class VolumeManager final : public VolumeHost {
 };
 
 template <typename Req>
-bool VolumeManager::WaitTurn(const std::string& volume_id, const Req& req, Done& done,
+bool VolumeManager::WaitTurn(const std::string& volume_id, const std::string& target, const Req& req, Done& done,
                              void (VolumeManager::*method)(const Req&, Done)) {
-  if (!ready_ || busy_.count(volume_id) == 0) return false;
+  if (!ready_) return false;
+  // A waiter whose turn has come goes ahead if its claim is still free; anyone else only if
+  // nobody waits ahead of it (or only for other targets, which it does not wait for).
+  const bool turn_came = std::exchange(resuming_waiter_, false);
+  if (CanClaim(volume_id, target) && turn_came) return false;
+  if (CanClaim(volume_id, target)) {
+    auto waiting = waiters_.find(volume_id);
+    bool ahead = false;
+    if (waiting != waiters_.end()) {
+      for (const auto& w : waiting->second) ahead = ahead || w->target.empty() || target.empty() || w->target == target;
+    }
+    if (!ahead) return false;
+  }
   auto& queue = waiters_[volume_id];
   if (static_cast<int>(queue.size()) >= options_.max_queued_per_volume) {
     done(absl::ResourceExhaustedError(absl::StrCat(queue.size(), " RPCs already wait for volume ", volume_id,
@@ -224,6 +252,7 @@ bool VolumeManager::WaitTurn(const std::string& volume_id, const Req& req, Done&
     return true;
   }
   auto w = std::make_shared<Waiter>();
+  w->target = target;
   w->run = [this, req, method](Done d) { (this->*method)(req, std::move(d)); };
   w->done = std::move(done);
   const absl::Time since = absl::Now();

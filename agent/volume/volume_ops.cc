@@ -54,6 +54,27 @@ BindOptions StagedBind(const state::Volume& v, BindOptions bind) {
   return bind;
 }
 
+// Saves what became of target `path` of `v`. A staged volume's targets are published and
+// unpublished concurrently (each under its own claim; VolumeManager): each records only its own
+// target. Other volumes are saved whole.
+absl::Status SaveTarget(const VolumeOpsContext& ctx, const state::Volume& v, const std::string& path) {
+  if (!v.staging_path().empty()) return ctx.store->SaveTargetBlocking(v, path);
+  return ctx.store->SaveBlocking(v);
+}
+
+// Restores what was saved of target `path` before a failed publish began (for a staged volume:
+// that target only; else the whole volume).
+void RollBackTarget(const VolumeOpsContext& ctx, const state::Volume& v, const std::string& path,
+                    const std::optional<state::Volume>& previous) {
+  absl::Status s;
+  if (!v.staging_path().empty() && previous) {
+    s = ctx.store->SaveTargetBlocking(*previous, path);
+  } else {
+    s = previous ? ctx.store->SaveBlocking(*previous) : ctx.store->RemoveBlocking(v.volume_id());
+  }
+  if (!s.ok()) LOG(ERROR) << "rolling back state of volume " << v.volume_id() << " at " << path << ": " << s;
+}
+
 // Restores what was saved before a failed operation began.
 void RollBack(const VolumeOpsContext& ctx, const std::string& volume_id,
               const std::optional<state::Volume>& previous) {
@@ -193,8 +214,9 @@ absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::
 absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state::Volume v, int index,
                                               std::optional<state::Volume> previous,
                                               const BindOptions& bind) {
+  const std::string target_path = v.targets(index).path();
   auto fail = [&](absl::Status s) {
-    RollBack(ctx, v.volume_id(), previous);
+    RollBackTarget(ctx, v, target_path, previous);
     return s;
   };
   // The source: the staging mount, or (ephemeral) the host path itself.
@@ -243,7 +265,9 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
 
   state::Target* t = v.mutable_targets(index);
   t->set_pending(true);
-  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  // Intent first: a kill -9 after the bind but before the save below leaves a mount that the
+  // start-up reconcile can only attribute (and remove or adopt) because this entry names it.
+  if (auto s = SaveTarget(ctx, v, target_path); !s.ok()) return s;
   CrashPoint("publish-intent-saved");
   auto rel = Rel(ctx, t->path());
   if (!rel.ok()) return fail(rel.status());
@@ -279,7 +303,8 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   if (!id.ok()) return fail(id.status());
   *t->mutable_mount() = *id;
   t->set_pending(false);
-  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  // Done: the mount's identity, which tells our mount from anything stacked or swapped later.
+  if (auto s = SaveTarget(ctx, v, target_path); !s.ok()) return s;
   return v;
 }
 
@@ -312,7 +337,9 @@ absl::StatusOr<std::optional<state::Volume>> UnpublishBlocking(const VolumeOpsCo
     if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
     return std::optional<state::Volume>();
   }
-  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
+  // After the unmount: a kill -9 before this save leaves an entry whose mount is gone, which
+  // the start-up reconcile drops. (Saving first would forget a mount that is still there.)
+  if (auto s = SaveTarget(ctx, v, path); !s.ok()) return s;
   return std::optional<state::Volume>(std::move(v));
 }
 

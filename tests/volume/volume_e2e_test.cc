@@ -626,8 +626,32 @@ TEST_F(VolumeE2ETest, SameVolumeConcurrentlyWaitsItsTurnNeverDoubled) {
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
   for (const auto& t : targets) EXPECT_EQ(MountCountAt(t), 1) << t;
-  for (const auto& t : targets) ASSERT_RPC_OK(Unpublish("v", t));
+  // They ran side by side (distinct targets of a staged volume), each recording only its own
+  // target: after kill -9 and a restart, the saved state knows all 50.
+  agent_->Signal(SIGKILL);
+  agent_->Wait(std::chrono::milliseconds(20000));
+  agent_.reset();
+  StartAgent();
+  for (const auto& t : targets) {
+    NodeGetVolumeStatsResponse resp;
+    ASSERT_RPC_OK(Stats("v", t, &resp));
+    EXPECT_FALSE(resp.volume_condition().abnormal()) << t;
+  }
+  // Unpublished all at once too, and again nothing is lost: the volume can be unstaged (it would
+  // be FAILED_PRECONDITION with a target left in its state), after another restart.
+  std::vector<std::future<grpc::Status>> unpubs;
+  for (const auto& t : targets) {
+    unpubs.push_back(std::async(std::launch::async, [&, t] { return Unpublish("v", t); }));
+  }
+  for (auto& f : unpubs) {
+    grpc::Status s = f.get();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  for (const auto& t : targets) EXPECT_EQ(MountCountAt(t), 0) << t;
+  StopAgent();
+  StartAgent();
   ASSERT_RPC_OK(Unstage("v", staging));
+  EXPECT_EQ(MountCountAt(staging), 0);
 }
 
 }  // namespace

@@ -115,6 +115,54 @@ TEST_F(VolumeManagerTest, SecondRpcForABusyVolumeWaitsItsTurnOtherVolumesProceed
   EXPECT_EQ(MountCountAt(StageReq("v").staging_target_path()), 1);
 }
 
+// Publishes of distinct targets of one staged volume are handed to the pool together instead of
+// waiting for each other; a second publish of the same target, and an unstage, still wait.
+TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
+  StartManager();
+  auto stage = StageReq("v");
+  auto staged = Stage(stage);
+  ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_TRUE(staged.get().ok());
+  auto publish = [&](const std::string& pod) {
+    csi::v1::NodePublishVolumeRequest r;
+    r.set_volume_id("v");
+    r.set_staging_target_path(stage.staging_target_path());
+    const std::string parent = root_.path() + "/kubelet/pods/" + pod + "/volumes/kubernetes.io~csi/v";
+    fs::create_directories(parent);
+    r.set_target_path(parent + "/mount");
+    *r.mutable_volume_capability() = MountCapability();
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&, r, p] { manager_->Publish(r, [p](absl::Status s) { p->set_value(s); }); });
+    return f;
+  };
+  auto release = HoldPool();
+  auto a = publish("a");
+  auto b = publish("b");
+  auto a_again = publish("a");
+  csi::v1::NodeUnstageVolumeRequest unstage;
+  unstage.set_volume_id("v");
+  unstage.set_staging_target_path(stage.staging_target_path());
+  auto unstaged = std::make_shared<std::promise<absl::Status>>();
+  lt_.RunOnLoop([&] { manager_->Unstage(unstage, [unstaged](absl::Status s) { unstaged->set_value(s); }); });
+  size_t outstanding = 0;
+  lt_.RunOnLoop([&] { outstanding = pool_->outstanding(); });
+  EXPECT_EQ(outstanding, 3u) << "the hostage, and a and b together; the repeat of a and the unstage wait";
+  release->set_value();
+  for (auto* f : {&a, &b, &a_again}) {
+    ASSERT_EQ(f->wait_for(kTestDeadline), std::future_status::ready);
+    EXPECT_TRUE(f->get().ok());
+  }
+  auto u = unstaged->get_future();
+  ASSERT_EQ(u.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(u.get().code(), absl::StatusCode::kFailedPrecondition) << "it waited, then saw both targets";
+  std::vector<std::string> problems;
+  auto saved = store_->LoadAllBlocking(&problems);
+  ASSERT_TRUE(saved.ok());
+  ASSERT_EQ(saved->size(), 1u);
+  EXPECT_EQ((*saved)[0].targets_size(), 2) << "each recorded its own target, neither undid the other's";
+}
+
 // A rollback to an agent that does not know a newer agent's volume kind: the volume is left out
 // (and said so), its state file is kept for the newer agent, and everything else works.
 TEST_F(VolumeManagerTest, StateOfAKindThisAgentDoesNotKnowIsLeftAlone) {
