@@ -90,6 +90,14 @@ DEFINE_string(host_root, "",
               "where the node's root filesystem is mounted in the agent's container (the DaemonSet "
               "mounts it at /host); hostPath volumes are resolved beneath it. Empty: the agent runs "
               "in the node's own root (refused if its root is a container image's overlay)");
+DEFINE_int32(max_queued_per_volume, 256,
+             "RPCs on a volume with an operation in flight wait their turn (FIFO) instead of getting "
+             "ABORTED; more than this many waiting get RESOURCE_EXHAUSTED");
+DEFINE_int32(max_queue_wait_ms, 60000,
+             "an RPC waiting its turn on a volume longer than this gets ABORTED, naming what it waited on");
+DEFINE_int32(probe_loop_stall_ms, 5000,
+             "Probe answers not ready while the event loop has been stuck in one callback this long "
+             "(the livenessprobe sidecar then restarts the agent)");
 DEFINE_int32(pool_threads, 4, "threads for blocking syscalls (mount family)");
 DEFINE_int32(pool_max_queued, 1024, "blocking work items allowed to wait before refusing more");
 DEFINE_int32(audit_period_ms, 60000,
@@ -167,9 +175,12 @@ int main(int argc, char** argv) {
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
       FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_server_gone_grace_ms < 0 || FLAGS_state_lock_wait_ms < 0 || FLAGS_audit_period_ms < 1 ||
-      FLAGS_kubelet_poll_period_ms < 1) {
-    LOG(ERROR) << "--pool_threads, --pool_max_queued and --stats_timeout_ms must be >= 1, "
-                  "--shutdown_grace_ms >= 0";
+      FLAGS_kubelet_poll_period_ms < 1 || FLAGS_max_queued_per_volume < 0 || FLAGS_max_queue_wait_ms < 1 ||
+      FLAGS_probe_loop_stall_ms < 1) {
+    LOG(ERROR) << "--pool_threads, --pool_max_queued, --stats_timeout_ms, --handoff_timeout_ms, --redeposit_wait_ms, "
+                  "--audit_period_ms, --kubelet_poll_period_ms, --max_queue_wait_ms and --probe_loop_stall_ms must "
+                  "be >= 1; --shutdown_grace_ms, --server_gone_grace_ms, --state_lock_wait_ms and "
+                  "--max_queued_per_volume >= 0";
     return 2;
   }
   if (const std::string problem = fusekeeper::ContainerRootProblem(FLAGS_host_root); !problem.empty()) {
@@ -223,7 +234,9 @@ int main(int argc, char** argv) {
                                      .socket_dir = FLAGS_state_dir + "/sockets",
                                      .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms),
                                      .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms),
-                                     .server_gone_grace = absl::Milliseconds(FLAGS_server_gone_grace_ms)});
+                                     .server_gone_grace = absl::Milliseconds(FLAGS_server_gone_grace_ms),
+                                     .max_queued_per_volume = FLAGS_max_queued_per_volume,
+                                     .max_queue_wait = absl::Milliseconds(FLAGS_max_queue_wait_ms)});
 
   utsname uts{};
   uname(&uts);
@@ -231,6 +244,7 @@ int main(int argc, char** argv) {
   server_options.endpoint = FLAGS_endpoint;
   server_options.identity.driver_name = FLAGS_driver_name;
   server_options.identity.vendor_version = fusekeeper::kVersion;
+  server_options.identity.loop_stall_limit = absl::Milliseconds(FLAGS_probe_loop_stall_ms);
   const bool statmount = fusekeeper::sys::HaveStatmount();
   LOG(INFO) << "mount lookups use "
             << (statmount ? "statmount (Linux 6.8+)" : "/proc/self/mountinfo (no statmount)");

@@ -115,6 +115,38 @@ TEST_F(VolumeManagerTest, SecondRpcForABusyVolumeWaitsItsTurnOtherVolumesProceed
   EXPECT_EQ(MountCountAt(StageReq("v").staging_target_path()), 1);
 }
 
+// The per-volume queue is bounded in length and in wait, and says which volume and why.
+TEST_F(VolumeManagerTest, QueueBoundsAnswerWithClearErrorsNamingTheVolume) {
+  lt_.RunOnLoop([&] {
+    manager_ = std::make_unique<VolumeManager>(
+        lt_.loop(), *pool_, *kubelet_, *store_, *reader_,
+        VolumeManagerOptions{.stats_timeout = absl::Milliseconds(50),
+                             .max_queued_per_volume = 2,
+                             .max_queue_wait = absl::Milliseconds(300)},
+        probe_pool_.get());
+  });
+  StartManager();
+  auto release = HoldPool();
+  auto first = Stage(StageReq("v"));  // holds v's claim (its work waits behind the hostage)
+  auto second = Stage(StageReq("v"));
+  auto third = Stage(StageReq("v"));
+  auto fourth = Stage(StageReq("v"));  // the queue holds 2
+  ASSERT_EQ(fourth.wait_for(kTestDeadline), std::future_status::ready);
+  absl::Status full = fourth.get();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("volume v"), std::string::npos) << full;
+  // The two waiting give up after max_queue_wait, saying what they waited on.
+  ASSERT_EQ(second.wait_for(kTestDeadline), std::future_status::ready);
+  absl::Status waited = second.get();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kAborted) << waited;
+  EXPECT_NE(waited.message().find("for an operation on volume v"), std::string::npos) << waited;
+  ASSERT_EQ(third.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(third.get().code(), absl::StatusCode::kAborted);
+  release->set_value();
+  ASSERT_EQ(first.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(first.get().ok());
+}
+
 // Publishes of distinct targets of one staged volume are handed to the pool together instead of
 // waiting for each other; a second publish of the same target, and an unstage, still wait.
 TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
