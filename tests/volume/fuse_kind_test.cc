@@ -4,24 +4,12 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/volume/spec_inputs.h"
 
 namespace fusekeeper {
 namespace {
 
 using csi::v1::VolumeCapability;
-
-google::protobuf::Map<std::string, std::string> Context(std::initializer_list<std::pair<const char*, const char*>> kv) {
-  google::protobuf::Map<std::string, std::string> m;
-  for (const auto& [k, v] : kv) m[k] = v;
-  return m;
-}
-
-VolumeCapability Cap(std::initializer_list<const char*> flags = {}, const char* group = "") {
-  VolumeCapability cap;
-  for (const char* f : flags) cap.mutable_mount()->add_mount_flags(f);
-  cap.mutable_mount()->set_volume_mount_group(group);
-  return cap;
-}
 
 TEST(FuseSpecTest, ServerIdentityGroupKernelOptionsAndServerContext) {
   state::Spec spec;
