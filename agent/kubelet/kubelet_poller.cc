@@ -46,6 +46,11 @@ void KubeletPoller::Send() {
       why = std::string(pods.status().message());
     } else {
       backoff_ = absl::ZeroDuration();
+      if (failing_polls_ > 0) {
+        LOG(INFO) << "the kubelet at " << options_.url << " answers again, after " << failing_polls_
+                  << " failed poll(s) over " << absl::FormatDuration(absl::Trunc(absl::Now() - failing_since_, absl::Seconds(1)));
+        failing_polls_ = 0;
+      }
       for (const ContainerRestart& c : detector_.Update(*pods)) on_restart_(c);
       if (on_pods_) on_pods_(*pods);
       return Schedule(options_.period);
@@ -58,12 +63,19 @@ void KubeletPoller::Send() {
                                (absl::StrContains(res.status().message(), "onnect") ||
                                 absl::StrContains(res.status().message(), "refused"));
     if (not_listening) {
-      backoff_ = options_.period;
+      backoff_ = std::min(options_.outage_retry, options_.period);
     } else {
       backoff_ = backoff_ == absl::ZeroDuration() ? options_.period : std::min(backoff_ * 2, options_.max_backoff);
     }
-    LOG(WARNING) << "polling the kubelet at " << options_.url << ": " << why << "; next try in " << backoff_
-                 << " (recovery still works from mount-table and FUSE connection events)";
+    if (failing_polls_++ == 0) {
+      failing_since_ = absl::Now();
+      LOG(WARNING) << "polling the kubelet at " << options_.url << ": " << why << "; asking again in " << backoff_
+                   << (not_listening ? "" : absl::StrCat(", then backing off up to ", absl::FormatDuration(options_.max_backoff)))
+                   << " (recovery still works from mount-table and FUSE connection events; failed polls "
+                      "are counted in fusekeeper_kubelet_poll_errors_total)";
+    } else {
+      VLOG(1) << "polling the kubelet at " << options_.url << ": " << why << "; next try in " << backoff_;
+    }
     if (on_error_) on_error_(why);
     Schedule(backoff_);
   });

@@ -1,8 +1,11 @@
 // KubeletPoller: GET <kubelet>/pods every `period` through the ring (HttpClient), with the
 // service account token (re-read each minute) and the kubelet's CA or an explicit insecure
 // opt-in. Each PodList feeds a RestartDetector; restarts go to `on_restart` on the loop thread.
-// A kubelet that is down, slow, refusing (401/403) or answering garbage costs a log line, a
-// metric and an exponential backoff (up to max_backoff) — never a stall.
+// A kubelet that is not listening (down, restarting, started after the agent) is asked again
+// every outage_retry, so it is polled within seconds of coming back; one that is slow, refusing
+// (401/403) or answering garbage is backed off from, doubling up to max_backoff. Either costs a
+// metric per failed poll and one log line when polls start failing and one when they work
+// again — never a stall, never a spin.
 #pragma once
 
 #include <functional>
@@ -24,7 +27,8 @@ struct KubeletPollerOptions {
   bool insecure = false;
   absl::Duration period = absl::Seconds(10);
   absl::Duration timeout = absl::Seconds(5);
-  absl::Duration max_backoff = absl::Minutes(2);
+  absl::Duration outage_retry = absl::Seconds(3);  // at most `period`
+  absl::Duration max_backoff = absl::Seconds(30);
 };
 
 class KubeletPoller {
@@ -57,6 +61,8 @@ class KubeletPoller {
   RestartDetector detector_;
   absl::Duration backoff_ = absl::ZeroDuration();
   int64_t polls_ = 0, errors_ = 0;
+  int64_t failing_polls_ = 0;  // in a row, since the last good answer
+  absl::Time failing_since_;
 };
 
 }  // namespace fusekeeper

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "proto/csi.grpc.pb.h"
 #include "tests/testing/csi_client.h"
+#include "tests/testing/log_capture.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/subprocess.h"
 
@@ -24,26 +25,6 @@ namespace fusekeeper {
 namespace {
 
 using csi::v1::VolumeCapability;
-
-// Collects every log line glog emits while alive.
-class CapturingSink : public google::LogSink {
- public:
-  CapturingSink() { google::AddLogSink(this); }
-  ~CapturingSink() override { google::RemoveLogSink(this); }
-  void send(google::LogSeverity, const char*, const char*, int, const struct ::tm*,
-            const char* message, size_t len) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    text_.append(message, len).append("\n");
-  }
-  std::string text() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return text_;
-  }
-
- private:
-  std::mutex mu_;
-  std::string text_;
-};
 
 class CsiServerTest : public ::testing::Test {
  public:  // the table-driven test calls these through lambdas
@@ -303,7 +284,7 @@ TEST_F(CsiServerTest, ValidMountRequestsSayMountingIsNotBuiltAndExpandIsUnsuppor
 
 TEST_F(CsiServerTest, SecretsAndMountFlagsNeverReachTheLog) {
   FLAGS_v = 3;  // the most verbose logging the agent has
-  CapturingSink sink;
+  LogCapture sink;
   csi::v1::NodeStageVolumeRequest stage;
   stage.set_volume_id("vol-visible");
   stage.set_staging_target_path("/stage");

@@ -9,8 +9,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fake_kube.h"
+#include "tests/testing/log_capture.h"
 #include "tests/testing/loop_thread.h"
 
 namespace fusekeeper {
@@ -104,15 +106,31 @@ TEST_F(KubeletPollerTest, RefusalsGarbageAndSlownessAreErrorsWithBackoffThenItRe
   ASSERT_TRUE(WaitFor([&] { return !restarts_.empty(); })) << "recovered after the kubelet came back";
 }
 
-// A kubelet that is down is asked again every period, not after a backoff of up to minutes:
+// Failing polls are logged once when they start and once when the kubelet answers again, not
+// once per poll.
+TEST_F(KubeletPollerTest, AnOutageIsLoggedOnceEachWay) {
+  ASSERT_TRUE(kube_->WaitForRequests(1));
+  LogCapture sink;
+  kube_->SetMode("403");
+  ASSERT_TRUE(WaitFor([&] { return errors_.size() >= 5; }));
+  kube_->SetMode("ok");
+  kube_->SetPods(OnePod(2));
+  ASSERT_TRUE(WaitFor([&] { return !restarts_.empty(); }));
+  lt_.RunOnLoop([] {});
+  EXPECT_EQ(sink.Count("polling the kubelet"), 1) << sink.text();
+  EXPECT_EQ(sink.Count("answers again, after"), 1) << sink.text();
+}
+
+// A kubelet that is down is asked again within seconds, not after a backoff of up to minutes:
 // container restarts are seen as soon as it is back.
-TEST_F(KubeletPollerTest, AKubeletThatIsNotListeningIsAskedAgainEveryPeriod) {
+TEST_F(KubeletPollerTest, AKubeletThatIsNotListeningIsAskedAgainSoon) {
   std::unique_ptr<KubeletPoller> down;
   std::atomic<int> errors{0};
   lt_.RunOnLoop([&] {
     KubeletPollerOptions o;
     o.url = "https://127.0.0.1:1/pods";  // nothing listens
-    o.period = absl::Milliseconds(20);
+    o.period = absl::Seconds(10);
+    o.outage_retry = absl::Milliseconds(20);
     o.max_backoff = absl::Seconds(120);
     down = std::make_unique<KubeletPoller>(lt_.loop(), *http_, *pool_, o, [](const ContainerRestart&) {},
                                            [&](const std::string&) {
