@@ -88,6 +88,8 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
     v.mutable_targets(target_index)->set_pending(true);
   }
   v.set_is_directory(true);
+  // Intent first: a kill -9 after the FUSE mount but before the save below leaves a mount the
+  // start-up reconcile recognises (by subtype and source) only because this entry announces it.
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   auto fail = [&](absl::Status s) {
     absl::Status r = previous ? ctx.store->SaveBlocking(*previous) : ctx.store->RemoveBlocking(v.volume_id());
@@ -155,6 +157,7 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
     t->set_created(created);
     t->set_pending(false);
   }
+  // Done: the mount's identity, which tells it from a later repair's layer or a foreign mount.
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   return FuseMounted{std::move(v), std::move(*dev), std::move(*listen)};
 }

@@ -173,6 +173,8 @@ absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::
   v.set_source_dev_major(major(st.st_dev));
   v.set_source_dev_minor(minor(st.st_dev));
   v.set_staging_pending(true);
+  // Intent first: a kill -9 after the bind but before the save below leaves a mount that the
+  // start-up reconcile attributes (by the source's device) only because this entry names it.
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   CrashPoint("stage-intent-saved");
 
@@ -207,6 +209,7 @@ absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::
   if (!id.ok()) return fail(id.status());
   *v.mutable_staging_mount() = *id;
   v.set_staging_pending(false);
+  // Done: the mount's identity, which tells our mount from anything stacked or swapped later.
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   return v;
 }
