@@ -8,7 +8,7 @@ pkgs=(
   liburing-dev libfuse3-dev fuse3
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libgoogle-glog-dev libgflags-dev libgtest-dev libgmock-dev libbenchmark-dev libabsl-dev
-  libsimdjson-dev libcurl4-openssl-dev openssl
+  libsimdjson-dev libcurl4-openssl-dev openssl libcpp-httplib-dev nlohmann-json3-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,0 +1,355 @@
+// fusekeeper-webhook: the mutating admission webhook for pods (see pod_mutation.h for what it
+// does to them). HTTPS (cpp-httplib) on --listen: POST /mutate takes an AdmissionReview
+// (admission.k8s.io/v1), GET /healthz answers ok.
+//
+// Certificates, one of:
+//  - --tls_cert_file/--tls_key_file (e.g. a cert-manager Secret): read at start and again
+//    whenever the files change, so a renewed certificate is served without a restart;
+//  - neither: the webhook makes its own CA and serving certificate for
+//    <service>.<namespace>.svc at start, renews the serving certificate when a third of its
+//    validity is left, and puts the CA in the caBundle of --webhook_config_name's webhooks
+//    (RBAC: mutatingwebhookconfigurations get/patch on that one name). The CA lives in memory:
+//    run one replica in this mode (a restart makes a new CA and patches the caBundle again).
+#include <httplib.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <sys/stat.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "agent/version.h"
+#include "agent/webhook/admission.h"
+#include "agent/webhook/certs.h"
+#include "agent/webhook/kube_client.h"
+#include "gflags/gflags.h"
+#include "glog/logging.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+std::string EnvOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+std::string DefaultKubeApi() {
+  const std::string host = EnvOr("KUBERNETES_SERVICE_HOST", "");
+  if (host.empty()) return "";
+  const std::string bracketed = host.find(':') != std::string::npos ? "[" + host + "]" : host;
+  return "https://" + bracketed + ":" + EnvOr("KUBERNETES_SERVICE_PORT", "443");
+}
+
+constexpr char kDefaultServerArgs[] =
+    R"json(["--socket=$(FUSEKEEPER_SOCKET)","--ready_file=$(FUSEKEEPER_READY_FILE)","serve","--root=/"])json";
+
+}  // namespace
+
+DEFINE_string(listen, ":8443", "host:port (or :port) to serve HTTPS on");
+DEFINE_string(tls_cert_file, "", "serving certificate (PEM); with --tls_key_file. Empty: the webhook makes its own");
+DEFINE_string(tls_key_file, "", "serving key (PEM)");
+DEFINE_string(service_name, "fusekeeper-webhook", "the webhook's Service (names in its own certificate)");
+DEFINE_string(namespace, EnvOr("POD_NAMESPACE", "fusekeeper"), "the webhook's namespace");
+DEFINE_string(webhook_config_name, "fusekeeper-webhook",
+              "the MutatingWebhookConfiguration whose caBundle the webhook keeps in step with its own CA "
+              "(own certificates only); empty: leave it to someone else");
+DEFINE_int32(cert_validity_hours, 24 * 30, "validity of the serving certificate it makes (renewed at 2/3)");
+DEFINE_string(driver_name, "fusekeeper.csi", "the CSI driver whose volumes this webhook looks after");
+DEFINE_string(default_server_image, "fusekeeper/fkserve:" FUSEKEEPER_VERSION_STRING,
+              "FUSE server image injected when a pod names none (fusekeeper.csi/server-image)");
+DEFINE_string(default_server_args, kDefaultServerArgs,
+              "JSON array of the injected server's arguments when a pod names none (fusekeeper.csi/server-args)");
+DEFINE_uint32(default_server_uid, 65534, "uid (and gid) of an injected server whose volume names no serverUid");
+DEFINE_string(default_server_cpu_request, "10m", "injected server's CPU request");
+DEFINE_string(default_server_memory_request, "32Mi", "injected server's memory request");
+DEFINE_string(default_server_memory_limit, "256Mi", "injected server's memory limit");
+DEFINE_string(native_sidecars, "auto",
+              "whether the cluster runs native sidecars (Kubernetes 1.29+): true, false, or auto (ask the API "
+              "server's /version at start; unknown counts as false, so injection is refused rather than broken)");
+DEFINE_string(kube_api, DefaultKubeApi(), "API server base URL (default: in-cluster); empty: no API calls");
+DEFINE_string(kube_secrets_dir, "/var/run/secrets/kubernetes.io/serviceaccount", "service account token and ca.crt");
+DEFINE_int32(max_request_bytes, 3 << 20, "AdmissionReview bodies larger than this are refused (413)");
+
+namespace fusekeeper::webhook {
+namespace {
+
+// The certificate and key served, swapped under a lock; each TLS handshake takes the current pair.
+class CertStore {
+ public:
+  struct Pair {
+    X509* cert = nullptr;
+    EVP_PKEY* key = nullptr;
+    ~Pair() {
+      X509_free(cert);
+      EVP_PKEY_free(key);
+    }
+  };
+  absl::Status Set(const std::string& cert_pem, const std::string& key_pem) {
+    auto p = std::make_shared<Pair>();
+    BIO* cb = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+    BIO* kb = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+    p->cert = cb ? PEM_read_bio_X509(cb, nullptr, nullptr, nullptr) : nullptr;
+    p->key = kb ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
+    BIO_free(cb);
+    BIO_free(kb);
+    if (p->cert == nullptr || p->key == nullptr || X509_check_private_key(p->cert, p->key) != 1) {
+      return absl::InvalidArgumentError("the certificate and key are unreadable or do not belong together");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    current_ = std::move(p);
+    return absl::OkStatus();
+  }
+  std::shared_ptr<Pair> Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return current_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::shared_ptr<Pair> current_;
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  FILE* f = fopen(path.c_str(), "re");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", strerror(errno)));
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+  fclose(f);
+  return out;
+}
+
+int64_t MtimeNs(const std::string& path) {
+  struct stat st{};
+  if (stat(path.c_str(), &st) != 0) return 0;
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+absl::Status LoadFiles(CertStore& store) {
+  auto cert = ReadFile(FLAGS_tls_cert_file);
+  if (!cert.ok()) return cert.status();
+  auto key = ReadFile(FLAGS_tls_key_file);
+  if (!key.ok()) return key.status();
+  return store.Set(*cert, *key);
+}
+
+// Puts `ca_pem` in the caBundle of every webhook of the configuration. Retried by the caller.
+absl::Status PatchCaBundle(const KubeClient& kube, const std::string& config, const std::string& ca_pem) {
+  const std::string path = absl::StrCat("/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/", config);
+  auto got = kube.Get(path);
+  if (!got.ok()) return got.status();
+  if (got->status != 200) return absl::UnavailableError(absl::StrCat("GET ", path, ": HTTP ", got->status));
+  const nlohmann::json doc = nlohmann::json::parse(got->body, nullptr, false);
+  if (!doc.is_object() || !doc.contains("webhooks") || !doc["webhooks"].is_array()) {
+    return absl::DataLossError(absl::StrCat("GET ", path, ": no webhooks"));
+  }
+  nlohmann::json patch = nlohmann::json::array();
+  const std::string bundle = absl::Base64Escape(ca_pem);
+  for (size_t i = 0; i < doc["webhooks"].size(); ++i) {
+    patch.push_back({{"op", "add"}, {"path", absl::StrCat("/webhooks/", i, "/clientConfig/caBundle")}, {"value", bundle}});
+  }
+  auto patched = kube.Patch(path, patch.dump(), "application/json-patch+json");
+  if (!patched.ok()) return patched.status();
+  if (patched->status != 200) return absl::UnavailableError(absl::StrCat("PATCH ", path, ": HTTP ", patched->status));
+  return absl::OkStatus();
+}
+
+std::atomic<bool> g_stop{false};
+httplib::Server* g_server = nullptr;
+
+void OnSignal(int) {
+  g_stop = true;
+  if (g_server != nullptr) g_server->stop();
+}
+
+int Main() {
+  Policy policy;
+  policy.driver = FLAGS_driver_name;
+  policy.server.image = FLAGS_default_server_image;
+  policy.server.uid = FLAGS_default_server_uid;
+  policy.server.cpu_request = FLAGS_default_server_cpu_request;
+  policy.server.memory_request = FLAGS_default_server_memory_request;
+  policy.server.memory_limit = FLAGS_default_server_memory_limit;
+  {
+    const nlohmann::json args = nlohmann::json::parse(FLAGS_default_server_args, nullptr, false);
+    bool ok = args.is_array();
+    for (const auto& a : args) ok = ok && a.is_string();
+    if (!ok) {
+      LOG(ERROR) << "--default_server_args must be a JSON array of strings";
+      return 2;
+    }
+    policy.server.args = args.get<std::vector<std::string>>();
+  }
+  if (FLAGS_tls_cert_file.empty() != FLAGS_tls_key_file.empty()) {
+    LOG(ERROR) << "--tls_cert_file and --tls_key_file go together (or neither: the webhook makes its own)";
+    return 2;
+  }
+  if (FLAGS_native_sidecars != "auto" && FLAGS_native_sidecars != "true" && FLAGS_native_sidecars != "false") {
+    LOG(ERROR) << "--native_sidecars must be auto, true or false";
+    return 2;
+  }
+  const std::vector<std::string> listen = absl::StrSplit(FLAGS_listen, absl::MaxSplits(':', 1));
+  int port = 0;
+  if (listen.size() != 2 || !absl::SimpleAtoi(listen[1], &port) || port <= 0 || port > 65535) {
+    LOG(ERROR) << "--listen must be host:port or :port, not " << FLAGS_listen;
+    return 2;
+  }
+
+  std::unique_ptr<KubeClient> kube;
+  if (!FLAGS_kube_api.empty()) {
+    kube = std::make_unique<KubeClient>(KubeClientOptions{.base_url = FLAGS_kube_api,
+                                                          .ca_file = FLAGS_kube_secrets_dir + "/ca.crt",
+                                                          .token_file = FLAGS_kube_secrets_dir + "/token"});
+  }
+  if (FLAGS_native_sidecars == "auto") {
+    absl::StatusOr<bool> native = kube ? HasNativeSidecars(*kube) : absl::UnavailableError("no API server (--kube_api)");
+    policy.native_sidecars = native.ok() && *native;
+    LOG_IF(WARNING, !native.ok()) << "cannot tell whether the cluster runs native sidecars (" << native.status()
+                                  << "); server injection is refused until the webhook restarts or "
+                                     "--native_sidecars is set";
+    LOG_IF(INFO, native.ok()) << "native sidecars: " << (*native ? "yes" : "no (Kubernetes < 1.29): server injection is refused");
+  } else {
+    policy.native_sidecars = FLAGS_native_sidecars == "true";
+  }
+
+  CertStore certs;
+  std::mutex renew_mu;
+  std::condition_variable renew_cv;
+  std::thread renewer;
+  if (!FLAGS_tls_cert_file.empty()) {
+    if (auto s = LoadFiles(certs); !s.ok()) {
+      LOG(ERROR) << "--tls_cert_file/--tls_key_file: " << s;
+      return 2;
+    }
+    // Renewed files (a cert-manager Secret update) are served from the next handshake on.
+    renewer = std::thread([&] {
+      int64_t seen = MtimeNs(FLAGS_tls_cert_file) ^ MtimeNs(FLAGS_tls_key_file);
+      std::unique_lock<std::mutex> lock(renew_mu);
+      while (!renew_cv.wait_for(lock, std::chrono::seconds(10), [] { return g_stop.load(); })) {
+        const int64_t now = MtimeNs(FLAGS_tls_cert_file) ^ MtimeNs(FLAGS_tls_key_file);
+        if (now == seen) continue;
+        seen = now;
+        absl::Status s = LoadFiles(certs);
+        LOG_IF(INFO, s.ok()) << "serving the renewed certificate from " << FLAGS_tls_cert_file;
+        LOG_IF(WARNING, !s.ok()) << "renewed certificate files not usable yet: " << s;
+      }
+    });
+  } else {
+    const std::string svc = absl::StrCat(FLAGS_service_name, ".", FLAGS_namespace, ".svc");
+    const std::vector<std::string> names = {svc, svc + ".cluster.local", absl::StrCat(FLAGS_service_name, ".", FLAGS_namespace)};
+    auto ca = MakeCa(absl::StrCat("fusekeeper-webhook-ca.", FLAGS_namespace), absl::Hours(24 * 365 * 5));
+    const absl::Duration validity = absl::Hours(FLAGS_cert_validity_hours);
+    auto serving = ca.ok() ? IssueServing(*ca, names, validity) : ca.status();
+    if (!serving.ok() || !certs.Set(serving->cert_pem, serving->key_pem).ok()) {
+      LOG(ERROR) << "making the webhook's own certificate: " << serving.status();
+      return 2;
+    }
+    LOG(INFO) << "serving its own certificate for " << svc;
+    renewer = std::thread([&, ca = *ca, names, validity] {
+      bool bundle_done = FLAGS_webhook_config_name.empty() || kube == nullptr;
+      LOG_IF(WARNING, !FLAGS_webhook_config_name.empty() && kube == nullptr)
+          << "no API server: the caBundle of " << FLAGS_webhook_config_name << " is not kept in step";
+      absl::Duration retry = absl::Seconds(1);
+      absl::Time renew_at = absl::Now() + validity * 2 / 3;
+      std::unique_lock<std::mutex> lock(renew_mu);
+      while (!g_stop) {
+        if (!bundle_done) {
+          absl::Status s = PatchCaBundle(*kube, FLAGS_webhook_config_name, ca.cert_pem);
+          bundle_done = s.ok();
+          LOG_IF(INFO, s.ok()) << "caBundle of " << FLAGS_webhook_config_name << " set to this webhook's CA";
+          LOG_IF(WARNING, !s.ok()) << "setting the caBundle of " << FLAGS_webhook_config_name << ": " << s
+                                   << "; retrying in " << retry;
+          if (!s.ok()) retry = std::min(retry * 2, absl::Seconds(60));
+        }
+        if (absl::Now() >= renew_at) {
+          auto renewed = IssueServing(ca, names, validity);
+          if (renewed.ok() && certs.Set(renewed->cert_pem, renewed->key_pem).ok()) {
+            LOG(INFO) << "serving certificate renewed";
+            renew_at = absl::Now() + validity * 2 / 3;
+          }
+        }
+        const absl::Duration wait = bundle_done ? std::min(absl::Minutes(10), renew_at - absl::Now()) : retry;
+        renew_cv.wait_for(lock, absl::ToChronoMilliseconds(std::max(wait, absl::Seconds(1))), [] { return g_stop.load(); });
+      }
+    });
+  }
+
+  httplib::SSLServer server([&certs](SSL_CTX& ctx) {
+    SSL_CTX_set_min_proto_version(&ctx, TLS1_2_VERSION);
+    SSL_CTX_set_cert_cb(
+        &ctx,
+        [](SSL* ssl, void* arg) -> int {
+          auto pair = static_cast<CertStore*>(arg)->Get();
+          if (pair == nullptr) return 0;
+          return SSL_use_certificate(ssl, pair->cert) == 1 && SSL_use_PrivateKey(ssl, pair->key) == 1 ? 1 : 0;
+        },
+        &certs);
+    return true;
+  });
+  if (!server.is_valid()) {
+    LOG(ERROR) << "cannot set up TLS";
+    return 2;
+  }
+  server.set_payload_max_length(static_cast<size_t>(FLAGS_max_request_bytes));
+  server.set_read_timeout(std::chrono::seconds(10));
+  server.set_write_timeout(std::chrono::seconds(10));
+  std::unique_ptr<ClaimLookup> claims;
+  if (kube) claims = std::make_unique<ClaimLookup>(*kube, FLAGS_driver_name);
+  const ClaimResolver resolve = [&claims](const std::string& ns, const std::vector<std::string>& names) {
+    if (claims) return claims->Resolve(ns, names);
+    ClaimInfo none;
+    none.warnings.push_back("fusekeeper: no API server to look up claims with; their mounts were left as written");
+    return none;
+  };
+  server.Post("/mutate", [&](const httplib::Request& req, httplib::Response& res) {
+    const absl::Time start = absl::Now();
+    HttpAnswer a = Review(req.body, policy, resolve);
+    res.status = a.status;
+    res.set_content(a.body, a.content_type.c_str());
+    VLOG(1) << "review of " << req.body.size() << " bytes -> " << a.status << " in " << (absl::Now() - start);
+    LOG_IF(WARNING, a.status != 200) << "refused a review: " << a.body;
+  });
+  server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
+  server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (res.status == 413) res.set_content("fusekeeper webhook: the request is too large\n", "text/plain");
+  });
+  g_server = &server;
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  const std::string host = listen[0].empty() ? "0.0.0.0" : listen[0];
+  if (!server.bind_to_port(host.c_str(), port)) {
+    LOG(ERROR) << "cannot listen on " << FLAGS_listen;
+    g_stop = true;
+    renew_cv.notify_all();
+    renewer.join();
+    return 2;
+  }
+  LOG(INFO) << "fusekeeper-webhook " << FUSEKEEPER_VERSION_STRING << " listening on " << host << ":" << port
+            << " for driver " << policy.driver;
+  server.listen_after_bind();
+  g_stop = true;
+  renew_cv.notify_all();
+  renewer.join();
+  LOG(INFO) << "stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace fusekeeper::webhook
+
+int main(int argc, char** argv) {
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  gflags::SetUsageMessage("fusekeeper-webhook: mutating admission webhook for pods that use fusekeeper volumes");
+  gflags::SetVersionString(FUSEKEEPER_VERSION_STRING);
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  return fusekeeper::webhook::Main();
+}

@@ -1,0 +1,368 @@
+#include "agent/webhook/pod_mutation.h"
+
+#include <cstdint>
+#include <regex>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace fusekeeper::webhook {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kDefaultSocketName[] = "fusekeeper.sock";
+constexpr char kReadyFile[] = "/fusekeeper/ready";
+
+// obj[key] if obj is an object holding key, else null.
+const json* Member(const json& obj, const char* key) {
+  if (!obj.is_object()) return nullptr;
+  auto it = obj.find(key);
+  return it == obj.end() ? nullptr : &*it;
+}
+
+std::string String(const json& obj, const char* key) {
+  const json* v = Member(obj, key);
+  return v != nullptr && v->is_string() ? v->get<std::string>() : "";
+}
+
+const json& ArrayOrEmpty(const json& obj, const char* key) {
+  static const json kEmpty = json::array();
+  const json* v = Member(obj, key);
+  return v != nullptr && v->is_array() ? *v : kEmpty;
+}
+
+// A name of at most 63 characters: `prefix + volume`, or, when that is too long, shortened with a
+// hash of the volume name so that different volumes keep different names.
+std::string BoundedName(const std::string& prefix, const std::string& volume) {
+  std::string name = prefix + volume;
+  if (name.size() <= 63) return name;
+  uint32_t h = 2166136261u;  // FNV-1a
+  for (unsigned char c : volume) h = (h ^ c) * 16777619u;
+  char hex[9];
+  snprintf(hex, sizeof(hex), "%08x", h);
+  return prefix + volume.substr(0, 63 - prefix.size() - 9) + "-" + hex;
+}
+
+bool ValidQuantity(const std::string& q) {
+  static const std::regex kQuantity("^[0-9]+(\\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$");
+  return q.size() <= 32 && std::regex_match(q, kQuantity);
+}
+
+std::optional<uint32_t> ParseUid(const std::string& s) {
+  if (s.empty() || s.size() > 10 || s.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  const uint64_t v = std::stoull(s);
+  if (v > UINT32_MAX) return std::nullopt;
+  return static_cast<uint32_t>(v);
+}
+
+json Add(const std::string& path, json value) { return json{{"op", "add"}, {"path", path}, {"value", std::move(value)}}; }
+
+// The server settings a pod's annotations ask for, validated.
+struct ServerSettings {
+  std::string image;
+  std::vector<std::string> args;
+  std::string cpu_request, memory_request, memory_limit;
+};
+
+std::optional<std::string> ReadServerSettings(const json& annotations, const ServerDefaults& d, ServerSettings* out) {
+  out->image = d.image;
+  out->args = d.args;
+  out->cpu_request = d.cpu_request;
+  out->memory_request = d.memory_request;
+  out->memory_limit = d.memory_limit;
+  if (const json* image = Member(annotations, kImageAnnotation); image != nullptr) {
+    if (!image->is_string() || image->get<std::string>().empty() || image->get<std::string>().size() > 512 ||
+        image->get<std::string>().find_first_of(" \t\n") != std::string::npos) {
+      return absl::StrCat("annotation ", kImageAnnotation, " must name a container image");
+    }
+    out->image = image->get<std::string>();
+  }
+  if (const json* args = Member(annotations, kArgsAnnotation); args != nullptr) {
+    json parsed = args->is_string() ? json::parse(args->get<std::string>(), nullptr, /*allow_exceptions=*/false)
+                                    : json();
+    bool ok = parsed.is_array() && parsed.size() <= 256;
+    for (const auto& a : parsed) ok = ok && a.is_string();
+    if (!ok) {
+      return absl::StrCat("annotation ", kArgsAnnotation,
+                          " must be a JSON array of strings, e.g. [\"--socket=$(FUSEKEEPER_SOCKET)\", \"serve\"]");
+    }
+    out->args = parsed.get<std::vector<std::string>>();
+  }
+  for (auto [key, field] : {std::pair{kCpuRequestAnnotation, &out->cpu_request},
+                            std::pair{kMemoryRequestAnnotation, &out->memory_request},
+                            std::pair{kMemoryLimitAnnotation, &out->memory_limit}}) {
+    const json* v = Member(annotations, key);
+    if (v == nullptr) continue;
+    if (!v->is_string() || !ValidQuantity(v->get<std::string>())) {
+      return absl::StrCat("annotation ", key, " must be a Kubernetes quantity such as 100m, 64Mi or 1Gi");
+    }
+    *field = v->get<std::string>();
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string PointerToken(const std::string& key) {
+  std::string out;
+  for (char c : key) {
+    if (c == '~') {
+      out += "~0";
+    } else if (c == '/') {
+      out += "~1";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> ClaimsOf(const json& pod) {
+  std::vector<std::string> out;
+  const json* spec = Member(pod, "spec");
+  if (spec == nullptr) return out;
+  for (const auto& v : ArrayOrEmpty(*spec, "volumes")) {
+    const json* pvc = Member(v, "persistentVolumeClaim");
+    if (pvc != nullptr && !String(*pvc, "claimName").empty()) out.push_back(String(*pvc, "claimName"));
+  }
+  return out;
+}
+
+Mutation MutatePod(const json& pod, const Policy& policy, const ClaimInfo& claims) {
+  Mutation m;
+  const json* spec = Member(pod, "spec");
+  if (spec == nullptr || !spec->is_object()) {
+    m.warnings.push_back("fusekeeper: the object has no pod spec; left alone");
+    return m;
+  }
+  const json* metadata = Member(pod, "metadata");
+  static const json kNoAnnotations = json::object();
+  const json* annotations_ptr = metadata != nullptr ? Member(*metadata, "annotations") : nullptr;
+  const json& annotations = annotations_ptr != nullptr && annotations_ptr->is_object() ? *annotations_ptr : kNoAnnotations;
+
+  // Our volumes: name → index in spec.volumes; which of them are inline FUSE volumes.
+  const json& volumes = ArrayOrEmpty(*spec, "volumes");
+  std::map<std::string, size_t> ours;
+  std::vector<std::string> inline_fuse;
+  std::map<std::string, size_t> volume_index;
+  for (size_t i = 0; i < volumes.size(); ++i) {
+    const json& v = volumes[i];
+    const std::string name = String(v, "name");
+    if (name.empty()) continue;
+    volume_index[name] = i;
+    if (const json* csi = Member(v, "csi"); csi != nullptr && String(*csi, "driver") == policy.driver) {
+      ours[name] = i;
+      const json* attrs = Member(*csi, "volumeAttributes");
+      if (attrs != nullptr && String(*attrs, "kind") == "fuse") inline_fuse.push_back(name);
+    } else if (const json* pvc = Member(v, "persistentVolumeClaim"); pvc != nullptr) {
+      auto c = claims.ours.find(String(*pvc, "claimName"));
+      if (c != claims.ours.end() && c->second) ours[name] = i;
+    }
+  }
+  m.warnings = claims.warnings;
+
+  bool inject = false;
+  if (const json* v = Member(annotations, kInjectAnnotation); v != nullptr) {
+    const std::string value = v->is_string() ? v->get<std::string>() : v->dump();
+    if (value != "true" && value != "false") {
+      m.denied = absl::StrCat("annotation ", kInjectAnnotation, " must be \"true\" or \"false\", not \"", value, "\"");
+      return m;
+    }
+    inject = value == "true";
+  }
+  if (ours.empty()) {
+    if (inject) {
+      m.warnings.push_back(absl::StrCat("fusekeeper: annotation ", kInjectAnnotation, " is set, but the pod has no ",
+                                        policy.driver, " volume: nothing injected"));
+    }
+    return m;
+  }
+
+  std::map<std::string, std::string> set_annotations;
+
+  // 1. Mount policy: HostToContainer wherever the pod did not choose.
+  std::vector<std::string> kept;
+  for (const char* list : {"initContainers", "containers"}) {
+    const json& containers = ArrayOrEmpty(*spec, list);
+    for (size_t ci = 0; ci < containers.size(); ++ci) {
+      const json& mounts = ArrayOrEmpty(containers[ci], "volumeMounts");
+      for (size_t mi = 0; mi < mounts.size(); ++mi) {
+        const std::string volume = String(mounts[mi], "name");
+        if (ours.count(volume) == 0) continue;
+        if (Member(mounts[mi], "mountPropagation") != nullptr) {
+          const std::string p = String(mounts[mi], "mountPropagation");
+          if (p != "HostToContainer" && p != "Bidirectional") {
+            kept.push_back(absl::StrCat(String(containers[ci], "name"), "/", volume, " (", p.empty() ? "unset" : p, ")"));
+          }
+          continue;
+        }
+        m.patch.push_back(Add(absl::StrCat("/spec/", list, "/", ci, "/volumeMounts/", mi, "/mountPropagation"),
+                              "HostToContainer"));
+      }
+    }
+  }
+  if (!kept.empty()) {
+    m.warnings.push_back(absl::StrCat(
+        "fusekeeper: ", absl::StrJoin(kept, ", "), ": this pod set mountPropagation itself, so it was kept; if the "
+        "volume's FUSE connection has to be replaced, recovery cannot reach these containers (they keep a dead "
+        "mount until the pod is recreated). Set HostToContainer, or leave the field out and it is set for you."));
+    set_annotations[kPropagationKeptAnnotation] = absl::StrJoin(kept, ", ");
+  }
+
+  // 2. Server injection.
+  if (inject && inline_fuse.empty()) {
+    m.warnings.push_back(absl::StrCat("fusekeeper: annotation ", kInjectAnnotation,
+                                      " is set, but the pod has no inline volume of kind fuse: nothing injected"));
+  } else if (inject) {
+    if (!policy.native_sidecars) {
+      m.denied = absl::StrCat(
+          "annotation ", kInjectAnnotation, " asks for the FUSE server as a native sidecar, which needs Kubernetes "
+          "1.29+ (SidecarContainers); this cluster has none, and an ordinary init container would never let the pod "
+          "start. Add the server to the pod yourself (see k8s/examples/inline-fuse-sidecar.yaml) and remove the "
+          "annotation");
+      return m;
+    }
+    ServerSettings settings;
+    if (auto bad = ReadServerSettings(annotations, policy.server, &settings); bad.has_value()) {
+      m.denied = *bad;
+      return m;
+    }
+    std::set<std::string> init_names;
+    for (const auto& c : ArrayOrEmpty(*spec, "initContainers")) init_names.insert(String(c, "name"));
+    std::vector<std::string> injected;
+    if (const json* before = Member(annotations, kInjectedAnnotation); before != nullptr && before->is_string()) {
+      injected.push_back(before->get<std::string>());
+    }
+    std::vector<json> new_containers, new_volumes;
+    bool any_new = false;
+    for (const std::string& volume : inline_fuse) {
+      const std::string container_name = BoundedName(kServerPrefix, volume);
+      if (init_names.count(container_name) > 0) continue;  // injected at an earlier admission
+      const size_t vi = ours[volume];
+      const json& csi = volumes[vi]["csi"];
+      const json* attrs = Member(csi, "volumeAttributes");
+      json add_attrs = json::object();
+      uint32_t uid = policy.server.uid;
+      if (const std::string s = String(*attrs, "serverUid"); !s.empty()) {
+        auto parsed = ParseUid(s);
+        if (!parsed) {
+          m.denied = absl::StrCat("volume ", volume, ": volumeAttributes.serverUid '", s, "' is not a numeric uid");
+          return m;
+        }
+        uid = *parsed;
+      } else {
+        add_attrs["serverUid"] = std::to_string(uid);
+      }
+      uint32_t gid = uid;
+      if (const std::string s = String(*attrs, "serverGid"); !s.empty()) {
+        auto parsed = ParseUid(s);
+        if (!parsed) {
+          m.denied = absl::StrCat("volume ", volume, ": volumeAttributes.serverGid '", s, "' is not a numeric gid");
+          return m;
+        }
+        gid = *parsed;
+      }
+      if (uid == 0) {
+        m.denied = absl::StrCat("volume ", volume, ": an injected FUSE server runs as non-root, so volumeAttributes."
+                                "serverUid must not be 0 (the agent mounts; the server needs no privileges)");
+        return m;
+      }
+      std::string socket_volume = String(*attrs, "socketVolume");
+      bool add_socket_volume = false;
+      if (socket_volume.empty()) {
+        socket_volume = BoundedName("fusekeeper-sock-", volume);
+        add_attrs["socketVolume"] = socket_volume;
+        add_socket_volume = volume_index.count(socket_volume) == 0;
+      }
+      if (!add_socket_volume) {
+        auto existing = volume_index.find(socket_volume);
+        if (existing == volume_index.end()) {
+          m.denied = absl::StrCat("volume ", volume, ": volumeAttributes.socketVolume names '", socket_volume,
+                                  "', which is not a volume of this pod");
+          return m;
+        }
+        if (Member(volumes[existing->second], "emptyDir") == nullptr) {
+          m.denied = absl::StrCat("volume ", volume, ": volumeAttributes.socketVolume names '", socket_volume,
+                                  "', which is not an emptyDir (the handoff socket lives in the pod's own emptyDir)");
+          return m;
+        }
+      } else {
+        new_volumes.push_back(json{{"name", socket_volume}, {"emptyDir", json{{"medium", "Memory"}, {"sizeLimit", "1Mi"}}}});
+        volume_index[socket_volume] = SIZE_MAX;
+      }
+      std::string socket_name = String(*attrs, "socketName");
+      if (socket_name.empty()) socket_name = kDefaultSocketName;
+      if (attrs == nullptr) {
+        m.patch.push_back(Add(absl::StrCat("/spec/volumes/", vi, "/csi/volumeAttributes"), add_attrs));
+      } else {
+        for (const auto& [k, v] : add_attrs.items()) {
+          m.patch.push_back(Add(absl::StrCat("/spec/volumes/", vi, "/csi/volumeAttributes/", PointerToken(k)), v));
+        }
+      }
+      json container = {
+          {"name", container_name},
+          {"image", settings.image},
+          {"restartPolicy", "Always"},
+          {"args", settings.args},
+          {"env", json::array({json{{"name", "FUSEKEEPER_SOCKET"}, {"value", absl::StrCat(kSocketDir, "/", socket_name)}},
+                               json{{"name", "FUSEKEEPER_READY_FILE"}, {"value", kReadyFile}},
+                               json{{"name", "FUSEKEEPER_VOLUME"}, {"value", volume}}})},
+          {"volumeMounts", json::array({json{{"name", socket_volume}, {"mountPath", kSocketDir}}})},
+          {"securityContext", json{{"runAsUser", uid},
+                                   {"runAsGroup", gid},
+                                   {"runAsNonRoot", true},
+                                   {"readOnlyRootFilesystem", true},
+                                   {"allowPrivilegeEscalation", false},
+                                   {"capabilities", json{{"drop", json::array({"ALL"})}}}}},
+          {"resources", json{{"requests", json{{"cpu", settings.cpu_request}, {"memory", settings.memory_request}}},
+                             {"limits", json{{"memory", settings.memory_limit}}}}},
+      };
+      if (settings.image == policy.server.image) {
+        // The app starts once the volume is served: creating it stats the mount, which would
+        // otherwise wait for the server.
+        container["startupProbe"] = json{
+            {"exec", json{{"command", json::array({policy.fkserve_path, absl::StrCat("--ready_file=", kReadyFile), "ready"})}}},
+            {"periodSeconds", 1},
+            {"failureThreshold", 300}};
+      }
+      new_containers.push_back(std::move(container));
+      injected.push_back(volume);
+      any_new = true;
+    }
+    for (auto& v : new_volumes) {
+      if (Member(*spec, "volumes") == nullptr) {
+        m.patch.push_back(Add("/spec/volumes", json::array({v})));
+      } else {
+        m.patch.push_back(Add("/spec/volumes/-", v));
+      }
+    }
+    if (!new_containers.empty()) {
+      if (Member(*spec, "initContainers") == nullptr) {
+        m.patch.push_back(Add("/spec/initContainers", json(new_containers)));
+      } else {
+        // First among the init containers (in volume order): later init containers may use the volume.
+        for (auto it = new_containers.rbegin(); it != new_containers.rend(); ++it) {
+          m.patch.push_back(Add("/spec/initContainers/0", *it));
+        }
+      }
+    }
+    if (any_new) set_annotations[kInjectedAnnotation] = absl::StrJoin(injected, ",");
+  }
+
+  if (!set_annotations.empty()) {
+    if (metadata == nullptr) {
+      m.patch.push_back(Add("/metadata", json{{"annotations", set_annotations}}));
+    } else if (annotations_ptr == nullptr || !annotations_ptr->is_object()) {
+      m.patch.push_back(Add("/metadata/annotations", json(set_annotations)));
+    } else {
+      for (const auto& [k, v] : set_annotations) {
+        m.patch.push_back(Add(absl::StrCat("/metadata/annotations/", PointerToken(k)), v));
+      }
+    }
+  }
+  return m;
+}
+
+}  // namespace fusekeeper::webhook
