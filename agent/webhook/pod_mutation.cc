@@ -130,7 +130,9 @@ std::vector<std::string> ClaimsOf(const json& pod) {
   return out;
 }
 
-Mutation MutatePod(const json& pod, const Policy& policy, const ClaimInfo& claims) {
+namespace {
+
+Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) {
   Mutation m;
   const json* spec = Member(pod, "spec");
   if (spec == nullptr || !spec->is_object()) {
@@ -362,6 +364,14 @@ Mutation MutatePod(const json& pod, const Policy& policy, const ClaimInfo& claim
       }
     }
   }
+  return m;
+}
+
+}  // namespace
+
+Mutation MutatePod(const json& pod, const Policy& policy, const ClaimInfo& claims) {
+  Mutation m = Mutate(pod, policy, claims);
+  if (m.denied) m.patch = json::array();  // a denied pod is not changed either
   return m;
 }
 
