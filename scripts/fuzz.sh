@@ -26,8 +26,9 @@ build handoff_fuzz tests/fuzz/handoff_fuzz.cc agent/fuse/handoff_protocol.cc age
 build paths_fuzz tests/fuzz/paths_fuzz.cc agent/paths/host_path.cc agent/base/status.cc
 build pod_list_fuzz tests/fuzz/pod_list_fuzz.cc agent/kubelet/pod_list.cc -lsimdjson
 build csi_request_fuzz tests/fuzz/csi_request_fuzz.cc agent/csi/validate.cc agent/csi/redact.cc "$gen/proto/csi.pb.cc" -lprotobuf
+build admission_fuzz tests/fuzz/admission_fuzz.cc agent/webhook/admission.cc agent/webhook/pod_mutation.cc
 status=0
-for t in mountinfo handoff paths csi_request pod_list; do
+for t in mountinfo handoff paths csi_request pod_list admission; do
   corpus="$out/corpus-$t"
   mkdir -p "$corpus" && cp tests/fuzz/corpus/$t/* "$corpus/"
   echo "fuzzing $t for ${seconds}s"
