@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -77,6 +78,8 @@ DEFINE_string(native_sidecars, "auto",
 DEFINE_string(kube_api, DefaultKubeApi(), "API server base URL (default: in-cluster); empty: no API calls");
 DEFINE_string(kube_secrets_dir, "/var/run/secrets/kubernetes.io/serviceaccount", "service account token and ca.crt");
 DEFINE_int32(max_request_bytes, 3 << 20, "AdmissionReview bodies larger than this are refused (413)");
+DEFINE_int32(cert_reload_period_ms, 10000, "how often --tls_cert_file/--tls_key_file are checked for a renewal");
+DEFINE_string(port_file, "", "write the port listened on here once listening (for --listen=host:0)");
 
 namespace fusekeeper::webhook {
 namespace {
@@ -127,10 +130,12 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return out;
 }
 
-int64_t MtimeNs(const std::string& path) {
+// What tells one version of a file from the next: a Secret update replaces it (new inode), an
+// edit changes its mtime or size.
+std::tuple<ino_t, int64_t, int64_t, off_t> FileVersion(const std::string& path) {
   struct stat st{};
-  if (stat(path.c_str(), &st) != 0) return 0;
-  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  if (stat(path.c_str(), &st) != 0) return {};
+  return {st.st_ino, st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_size};
 }
 
 absl::Status LoadFiles(CertStore& store) {
@@ -198,7 +203,7 @@ int Main() {
   }
   const std::vector<std::string> listen = absl::StrSplit(FLAGS_listen, absl::MaxSplits(':', 1));
   int port = 0;
-  if (listen.size() != 2 || !absl::SimpleAtoi(listen[1], &port) || port <= 0 || port > 65535) {
+  if (listen.size() != 2 || !absl::SimpleAtoi(listen[1], &port) || port < 0 || port > 65535) {
     LOG(ERROR) << "--listen must be host:port or :port, not " << FLAGS_listen;
     return 2;
   }
@@ -231,10 +236,11 @@ int Main() {
     }
     // Renewed files (a cert-manager Secret update) are served from the next handshake on.
     renewer = std::thread([&] {
-      int64_t seen = MtimeNs(FLAGS_tls_cert_file) ^ MtimeNs(FLAGS_tls_key_file);
+      auto seen = std::make_pair(FileVersion(FLAGS_tls_cert_file), FileVersion(FLAGS_tls_key_file));
       std::unique_lock<std::mutex> lock(renew_mu);
-      while (!renew_cv.wait_for(lock, std::chrono::seconds(10), [] { return g_stop.load(); })) {
-        const int64_t now = MtimeNs(FLAGS_tls_cert_file) ^ MtimeNs(FLAGS_tls_key_file);
+      while (!renew_cv.wait_for(lock, std::chrono::milliseconds(FLAGS_cert_reload_period_ms),
+                                [] { return g_stop.load(); })) {
+        const auto now = std::make_pair(FileVersion(FLAGS_tls_cert_file), FileVersion(FLAGS_tls_key_file));
         if (now == seen) continue;
         seen = now;
         absl::Status s = LoadFiles(certs);
@@ -325,12 +331,25 @@ int Main() {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   const std::string host = listen[0].empty() ? "0.0.0.0" : listen[0];
-  if (!server.bind_to_port(host.c_str(), port)) {
+  if (port == 0) {
+    port = server.bind_to_any_port(host);  // -1 on failure
+  } else if (!server.bind_to_port(host.c_str(), port)) {
+    port = -1;
+  }
+  if (port <= 0) {
     LOG(ERROR) << "cannot listen on " << FLAGS_listen;
     g_stop = true;
     renew_cv.notify_all();
     renewer.join();
     return 2;
+  }
+  if (!FLAGS_port_file.empty()) {
+    const std::string tmp = FLAGS_port_file + ".tmp";
+    if (FILE* f = fopen(tmp.c_str(), "we"); f != nullptr) {
+      fprintf(f, "%d", port);
+      fclose(f);
+      rename(tmp.c_str(), FLAGS_port_file.c_str());
+    }
   }
   LOG(INFO) << "fusekeeper-webhook " << FUSEKEEPER_VERSION_STRING << " listening on " << host << ":" << port
             << " for driver " << policy.driver;

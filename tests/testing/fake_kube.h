@@ -26,7 +26,8 @@ class FakeKube {
     server_ = std::make_unique<Subprocess>(std::vector<std::string>{
         "/usr/bin/python3", RunfilePath("tests/testing/fake_kube.py"), "--cert=" + dir + "/cert.pem",
         "--key=" + dir + "/key.pem", "--log=" + dir + "/requests.jsonl", "--port-file=" + dir + "/port",
-        "--pods-file=" + dir + "/pods.json", "--mode-file=" + dir + "/mode", "--pvcs-file=" + dir + "/pvcs.json"});
+        "--pods-file=" + dir + "/pods.json", "--mode-file=" + dir + "/mode", "--pvcs-file=" + dir + "/pvcs.json",
+        "--objects-file=" + dir + "/objects.json"});
     ok_ = ok_ && server_->WaitForStderr("listening", 1, std::chrono::seconds(20));
     std::ifstream(dir + "/port") >> port_;
   }
@@ -46,6 +47,17 @@ class FakeKube {
     for (const auto& [k, v] : bound) json += (json.size() > 1 ? "," : "") + ("\"" + k + "\":\"" + v + "\"");
     { std::ofstream(dir_ + "/pvcs.json.tmp") << json << "}"; }
     std::rename((dir_ + "/pvcs.json.tmp").c_str(), (dir_ + "/pvcs.json").c_str());
+  }
+  // Objects answered to GET (and PATCH) of their path, e.g. "/version" → R"({"major":"1"})".
+  void SetObjects(const std::map<std::string, std::string>& by_path) {
+    std::string json = "{";
+    for (const auto& [k, v] : by_path) json += (json.size() > 1 ? "," : "") + ("\"" + k + "\":" + v);
+    { std::ofstream(dir_ + "/objects.json.tmp") << json << "}"; }
+    std::rename((dir_ + "/objects.json.tmp").c_str(), (dir_ + "/objects.json").c_str());
+  }
+  // Waits until a request starting with "<VERB> <path prefix>" has arrived.
+  bool WaitForRequest(const std::string& verb_and_path) {
+    return server_->WaitForStderr("req " + verb_and_path, 1, std::chrono::seconds(20));
   }
   // Waits until `n` requests have arrived in total.
   bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }

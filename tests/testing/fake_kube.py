@@ -7,6 +7,8 @@ Serves:  POST  /api/v1/namespaces/<ns>/events          (201; an existing name: 4
          GET   /api/v1/namespaces/<ns>/persistentvolumeclaims/<name>
                                                        (bound to the volume --pvcs-file names for
                                                         "<ns>/<name>"; else 404)
+         GET   <path>, PATCH <path>                    (any object --objects-file maps <path> to;
+                                                        a PATCH answers the object unchanged)
 Every request is appended to --log as one JSON line {"verb","path","auth","body"}.
 --mode-file, re-read per request, makes it misbehave: "ok", "500", "401", "403", "garbage", "slow".
 The chosen port is written to --port-file once listening.
@@ -22,6 +24,7 @@ p.add_argument("--port-file", required=True)
 p.add_argument("--pods-file", default="")
 p.add_argument("--mode-file", default="")
 p.add_argument("--pvcs-file", default="")
+p.add_argument("--objects-file", default="")
 args = p.parse_args()
 lock = threading.Lock()
 events = {}
@@ -67,6 +70,15 @@ class H(BaseHTTPRequestHandler):
         if m == "garbage":
             return self.reply(200, b"\x00{not json")
         parts = self.path.split("?")[0].strip("/").split("/")
+        if verb in ("GET", "PATCH") and args.objects_file:
+            try:
+                with open(args.objects_file) as f:
+                    objects = json.load(f)
+            except (OSError, ValueError):
+                objects = {}
+            obj = objects.get(self.path.split("?")[0])
+            if obj is not None:
+                return self.reply(200, json.dumps(obj))
         if verb == "GET" and parts == ["pods"]:
             with open(args.pods_file) as f:
                 return self.reply(200, f.read())
