@@ -2,8 +2,9 @@
 """Keeps k8s/ and the code from drifting apart: every manifest parses; every image is one we build
 (or a pinned kubernetes-csi sidecar); every flag given to our binaries exists in their --helpfull;
 socket paths agree between the agent, node-driver-registrar and the livenessprobe; the CSIDriver
-name is the agent's default; example volume attributes are keys the agent reads. Prints what is
-wrong and exits non-zero."""
+name is the agent's default; example volume attributes are keys the agent reads; the webhook's
+Deployment, Service, RBAC and MutatingWebhookConfiguration agree with each other and its flags.
+Prints what is wrong and exits non-zero."""
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import yaml
 
 root = os.environ.get("MANIFEST_ROOT", "k8s")
-agent, fkserve = sys.argv[1], sys.argv[2]
+agent, fkserve, webhook = sys.argv[1], sys.argv[2], sys.argv[3]
 problems = []
 
 
@@ -24,6 +25,9 @@ def flags_of(binary):
 
 agent_flags, agent_help = flags_of(agent)
 fkserve_flags, _ = flags_of(fkserve)
+webhook_flags, webhook_help = flags_of(webhook)
+if "webhook_config_name" not in webhook_flags:
+    problems.append("could not read the webhook's flags from --helpfull")
 if "driver_name" not in agent_flags or "kubelet_dir" not in agent_flags:
     problems.append("could not read the agent's flags from --helpfull")
 
@@ -44,11 +48,12 @@ for r in kust.get("resources", []):
     if not os.path.exists(os.path.join(root, r)):
         problems.append(f"kustomization.yaml lists {r}, which does not exist")
 
-OUR_IMAGES = {"fusekeeper/agent": ("agent", agent_flags), "fusekeeper/fkserve": ("fkserve", fkserve_flags)}
+OUR_IMAGES = {"fusekeeper/agent": ("agent", agent_flags), "fusekeeper/fkserve": ("fkserve", fkserve_flags),
+              "fusekeeper/webhook": ("webhook", webhook_flags)}
 SIDECARS = ("registry.k8s.io/sig-storage/csi-node-driver-registrar:",
             "registry.k8s.io/sig-storage/livenessprobe:", "busybox:")
 dockerfile = open(os.path.join(root, "images", "Dockerfile")).read()
-for target in ("agent", "fkserve"):
+for target in ("agent", "fkserve", "webhook"):
     if f"AS {target}" not in dockerfile:
         problems.append(f"k8s/images/Dockerfile has no '{target}' target")
 
@@ -71,7 +76,7 @@ for path, d in docs:
         if spec.get("attachRequired") is not False or spec.get("podInfoOnMount") is not True:
             problems.append(f"{path}: CSIDriver needs attachRequired: false and podInfoOnMount: true")
     pod_spec = None
-    if kind == "DaemonSet":
+    if kind in ("DaemonSet", "Deployment"):
         pod_spec = d["spec"]["template"]["spec"]
     elif kind == "Pod":
         pod_spec = d["spec"]
@@ -131,6 +136,78 @@ for path, d in docs:
             problems.append(f"{path}: /dev/fuse is not mounted into the agent")
         if not agent_c.get("securityContext", {}).get("privileged"):
             problems.append(f"{path}: the agent must be privileged")
+
+
+
+def arg_value(container, flag):
+    return next((a.split("=", 1)[1] for a in container.get("args", []) if a.startswith(f"--{flag}=")), None)
+
+
+# The webhook: Deployment ↔ Service ↔ MutatingWebhookConfiguration ↔ RBAC ↔ its flags.
+by_kind = {}
+for path, d in docs:
+    by_kind.setdefault(d.get("kind"), []).append((path, d))
+deployments = [(p, d) for p, d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "fusekeeper-webhook"]
+if len(deployments) != 1:
+    problems.append("expected one Deployment fusekeeper-webhook")
+else:
+    path, dep = deployments[0]
+    spec = dep["spec"]["template"]["spec"]
+    wh = next((c for c in spec["containers"] if c["image"].split(":")[0] == "fusekeeper/webhook"), None)
+    if wh is None:
+        problems.append(f"{path}: no container runs fusekeeper/webhook")
+    else:
+        listen = arg_value(wh, "listen") or re.search(r"-listen \(.*?\) type: string default: \"([^\"]+)\"",
+                                                       webhook_help, re.S).group(1)
+        port = int(listen.rsplit(":", 1)[1])
+        if port not in [p["containerPort"] for p in wh.get("ports", [])]:
+            problems.append(f"{path}: --listen {listen} is not a containerPort of the webhook")
+        services = {d["metadata"]["name"]: d for _, d in by_kind.get("Service", [])}
+        svc_name = arg_value(wh, "service_name") or "fusekeeper-webhook"
+        svc = services.get(svc_name)
+        if svc is None:
+            problems.append(f"{path}: --service_name {svc_name} names no Service")
+        else:
+            if svc["spec"].get("selector", {}).items() - dep["spec"]["template"]["metadata"]["labels"].items():
+                problems.append(f"Service {svc_name} does not select the webhook's pods")
+            if not any(p.get("targetPort") == port for p in svc["spec"]["ports"]):
+                problems.append(f"Service {svc_name} does not target the webhook's port {port}")
+        configs = {d["metadata"]["name"]: d for _, d in by_kind.get("MutatingWebhookConfiguration", [])}
+        cfg_name = arg_value(wh, "webhook_config_name")
+        cfg = configs.get(cfg_name)
+        if cfg is None:
+            problems.append(f"{path}: --webhook_config_name {cfg_name} names no MutatingWebhookConfiguration")
+        else:
+            for w in cfg["webhooks"]:
+                ref = w["clientConfig"].get("service", {})
+                if ref.get("name") != svc_name or ref.get("path") != "/mutate" or ref.get("namespace") != kust.get("namespace"):
+                    problems.append(f"webhook {w['name']}: clientConfig must name Service {svc_name} in "
+                                    f"{kust.get('namespace')}, path /mutate")
+                if svc and ref.get("port", 443) not in [p["port"] for p in svc["spec"]["ports"]]:
+                    problems.append(f"webhook {w['name']}: port {ref.get('port', 443)} is not a port of Service {svc_name}")
+                if w.get("admissionReviewVersions") != ["v1"] or w.get("sideEffects") != "None":
+                    problems.append(f"webhook {w['name']}: needs admissionReviewVersions [v1] and sideEffects None")
+        driver = arg_value(wh, "driver_name")
+        if default_driver and driver and driver != default_driver.group(1):
+            problems.append(f"{path}: --driver_name {driver} is not the agent's {default_driver.group(1)}")
+        # RBAC: its service account may do what it does, and no more than that on webhook configs.
+        sa = spec.get("serviceAccountName")
+        roles = {d["metadata"]["name"]: d for _, d in by_kind.get("ClusterRole", [])}
+        bound = [d["roleRef"]["name"] for _, d in by_kind.get("ClusterRoleBinding", [])
+                 if any(s.get("name") == sa and s.get("namespace") == kust.get("namespace") for s in d["subjects"])]
+        granted = set()
+        for r in bound:
+            for rule in roles.get(r, {}).get("rules", []):
+                for res in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        granted.add((res, verb, tuple(rule.get("resourceNames", []))))
+        for res in ("persistentvolumeclaims", "persistentvolumes", "storageclasses"):
+            if not any(g[0] == res and g[1] == "get" for g in granted):
+                problems.append(f"the webhook's service account {sa} may not get {res}")
+        for verb in ("get", "patch"):
+            if (("mutatingwebhookconfigurations", verb, (cfg_name,)) not in granted):
+                problems.append(f"the webhook's service account {sa} needs {verb} on mutatingwebhookconfigurations "
+                                f"limited to resourceNames [{cfg_name}]")
 
 if problems:
     print("\n".join(problems))
