@@ -1,0 +1,140 @@
+// The webhook's output, run: a pod with one inline FUSE volume and the opt-in annotation goes
+// through MutatePod, and the patched pod is then played the way kubelet and the container
+// runtime would play it: the volume published by the real agent with the patched volumeAttributes,
+// the injected sidecar's command run from its args and env ($(VAR) expanded, /fusekeeper mapped to
+// the pod's emptyDir) as its securityContext's user, its startupProbe run until it passes, the app
+// container's view read as a container with HostToContainer would, and the sidecar restarted after
+// a crash, as kubelet restarts native sidecars.
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_replace.h"
+#include "agent/webhook/pod_mutation.h"
+#include "nlohmann/json.hpp"
+#include "tests/volume/fuse_fixture.h"
+
+namespace fusekeeper {
+namespace {
+
+using json = nlohmann::json;
+using namespace csi::v1;
+
+class InjectedPodTest : public FuseE2ETest {
+ protected:
+  // The pod as its author wrote it, with the sidecar serving this test's export.
+  json AuthoredPod() {
+    std::ifstream in(RunfilePath("tests/webhook/testdata/inline_fuse_opt_in.json"));
+    std::stringstream s;
+    s << in.rdbuf();
+    json pod = json::parse(s.str());
+    pod["spec"]["volumes"][1]["csi"]["volumeAttributes"]["serverUid"] = std::to_string(kServerUid);
+    pod["metadata"]["annotations"]["fusekeeper.csi/server-args"] =
+        json::array({"--socket=$(FUSEKEEPER_SOCKET)", "--ready_file=$(FUSEKEEPER_READY_FILE)", "serve",
+                     "--root=" + export_})
+            .dump();
+    return pod;
+  }
+  // The injected container's command line as the runtime runs it: $(VAR) from its env, and paths
+  // under its volume mounts mapped to where those volumes are on this node.
+  std::vector<std::string> CommandOf(const json& container, const std::vector<std::string>& args,
+                                     const std::string& socket_dir_on_node) {
+    std::vector<std::pair<std::string, std::string>> vars;
+    for (const auto& e : container["env"]) {
+      vars.emplace_back("$(" + e["name"].get<std::string>() + ")", e["value"].get<std::string>());
+    }
+    std::vector<std::string> out;
+    for (std::string a : args) {
+      for (const auto& [k, v] : vars) a = absl::StrReplaceAll(a, {{k, v}});
+      out.push_back(absl::StrReplaceAll(a, {{std::string(webhook::kSocketDir) + "/", socket_dir_on_node + "/"}}));
+    }
+    return out;
+  }
+  Subprocess* RunSidecar(const json& server, const std::string& socket_dir_on_node) {
+    const uid_t uid = server["securityContext"]["runAsUser"];
+    const gid_t gid = server["securityContext"]["runAsGroup"];
+    std::vector<std::string> cmd = {fkserve_};
+    for (const auto& a : CommandOf(server, server["args"].get<std::vector<std::string>>(), socket_dir_on_node)) {
+      cmd.push_back(a);
+    }
+    servers_.push_back(std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [uid, gid] {
+      if (setresgid(gid, gid, gid) != 0 || setresuid(uid, uid, uid) != 0) _exit(99);
+    }));
+    return servers_.back().get();
+  }
+  // Runs the sidecar's startupProbe until it passes (as kubelet does, periodSeconds apart; here
+  // back to back, bounded by the test deadline).
+  bool StartupProbePasses(const json& server, const std::string& socket_dir_on_node) {
+    std::vector<std::string> probe = server["startupProbe"]["exec"]["command"];
+    probe = CommandOf(server, probe, socket_dir_on_node);
+    probe[0] = fkserve_;  // the image's /usr/local/bin/fkserve is this test's copy
+    const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    while (std::chrono::steady_clock::now() < deadline) {
+      Subprocess p(probe);
+      if (p.Wait(std::chrono::seconds(20)).value_or(-1) == 0) return true;
+    }
+    return false;
+  }
+};
+
+TEST_F(InjectedPodTest, AnOptedInPodIsServedByItsInjectedSidecarAndSurvivesItsCrash) {
+  StartAgent();
+  const json authored = AuthoredPod();
+  const webhook::Mutation m = webhook::MutatePod(authored, webhook::Policy{}, webhook::ClaimInfo{});
+  ASSERT_FALSE(m.denied.has_value()) << *m.denied;
+  const json pod = authored.patch(m.patch);
+
+  // kubelet: the pod's emptyDirs, then NodePublishVolume with the patched volumeAttributes.
+  const std::string uid = "injected-pod-uid";
+  const json& attrs = pod["spec"]["volumes"][1]["csi"]["volumeAttributes"];
+  const std::string socket_volume = attrs["socketVolume"];
+  const std::string empty_dir = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/" + socket_volume;
+  fs::create_directories(empty_dir);
+  chmod(empty_dir.c_str(), 0777);  // as kubelet makes emptyDirs
+  fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data");
+  const std::string target = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data/mount";
+  NodePublishVolumeRequest r;
+  r.set_volume_id("csi-injected-1");
+  r.set_target_path(target);
+  *r.mutable_volume_capability() = MountCapability();
+  for (const auto& [k, v] : attrs.items()) (*r.mutable_volume_context())[k] = v.get<std::string>();
+  (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = uid;
+  (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
+  NodePublishVolumeResponse resp;
+  auto c = Ctx();
+  grpc::Status published = node_->NodePublishVolume(c.get(), r, &resp);
+  ASSERT_TRUE(published.ok()) << published.error_message() << agent_->Stderr();
+
+  // The runtime: the injected native sidecar first, the app once its startupProbe passes. The
+  // sidecar sees the emptyDir at /fusekeeper; here at a short path that leads there (the node's
+  // path is too long for a socket address, the container's is not).
+  const json& server = pod["spec"]["initContainers"][0];
+  ASSERT_EQ(server["restartPolicy"], "Always");
+  char seen_as[] = "/tmp/fkc-XXXXXX";
+  ASSERT_NE(mkdtemp(seen_as), nullptr);
+  chmod(seen_as, 0755);
+  const std::string in_container = std::string(seen_as) + "/fusekeeper";
+  fs::create_directory_symlink(empty_dir, in_container);
+  Subprocess* sidecar = RunSidecar(server, in_container);
+  ASSERT_TRUE(StartupProbePasses(server, in_container)) << sidecar->Stderr() << agent_->Stderr();
+  // The app's volumeMount got HostToContainer: it reads through a container-like view.
+  ASSERT_EQ(pod["spec"]["containers"][0]["volumeMounts"][0]["mountPropagation"], "HostToContainer");
+  auto app = PodReader(target, "hello.txt");
+  ASSERT_TRUE(app->WaitForReadsOf("hello from the export\n")) << app->setup_error() << sidecar->Stderr();
+
+  // The sidecar crashes; kubelet restarts it (same spec); the app keeps reading.
+  sidecar->Signal(SIGKILL);
+  ASSERT_TRUE(sidecar->Wait(std::chrono::seconds(20)).has_value());
+  Subprocess* restarted = RunSidecar(server, in_container);
+  ASSERT_TRUE(app->WaitForReadsOf("hello from the export\n")) << restarted->Stderr() << agent_->Stderr();
+  app->Stop();
+  NodeUnpublishVolumeRequest u;
+  u.set_volume_id("csi-injected-1");
+  u.set_target_path(target);
+  NodeUnpublishVolumeResponse uresp;
+  auto c2 = Ctx();
+  ASSERT_TRUE(node_->NodeUnpublishVolume(c2.get(), u, &uresp).ok());
+  fs::remove_all(seen_as);
+}
+
+}  // namespace
+}  // namespace fusekeeper
