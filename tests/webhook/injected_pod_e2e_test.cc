@@ -127,12 +127,7 @@ TEST_F(InjectedPodTest, AnOptedInPodIsServedByItsInjectedSidecarAndSurvivesItsCr
   Subprocess* restarted = RunSidecar(server, in_container);
   ASSERT_TRUE(app->WaitForReadsOf("hello from the export\n")) << restarted->Stderr() << agent_->Stderr();
   app->Stop();
-  NodeUnpublishVolumeRequest u;
-  u.set_volume_id("csi-injected-1");
-  u.set_target_path(target);
-  NodeUnpublishVolumeResponse uresp;
-  auto c2 = Ctx();
-  ASSERT_TRUE(node_->NodeUnpublishVolume(c2.get(), u, &uresp).ok());
+  ASSERT_RPC_OK(Unpublish("csi-injected-1", target));
   fs::remove_all(seen_as);
 }
 
