@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds fusekeeper's container images offline from Debian's own packages, here or on any Debian 12
+# machine, as root:
+#
+#   bash scripts/build-images.sh            # fusekeeper/{agent,fkserve,webhook}:<version>
+#
+# 1. The Debian 12 base (debian:12 and debian:12-slim) is made with mmdebstrap from the Debian
+#    mirror this machine uses, and put in the local container storage under the names the
+#    Dockerfile pulls, so nothing comes from a registry.
+# 2. The images are built from k8s/images/Dockerfile, unchanged (it builds with `docker build`
+#    on a machine with internet too), with buildah. RUN steps use chroot isolation: no OCI
+#    runtime or cgroup setup is needed. The host's Bazel disk cache is lent to the build stage,
+#    so a machine that has built the tree does not compile it again.
+# 3. Sizes and the build time are printed; `podman push` / `buildah push` publish them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+version=$(sed -n 's/^#define FUSEKEEPER_VERSION_STRING "\(.*\)"/\1/p' agent/version.h)
+revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+need=()
+for p in mmdebstrap buildah podman; do command -v "$p" >/dev/null || need+=("$p"); done
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+start=$(date +%s)
+
+# Debian's suites from this machine's own apt configuration (offline mirrors included).
+mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+security=$(sed -n 's/^URIs: *\(http[^ ]*debian-security\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+mirror=${mirror:-http://deb.debian.org/debian}
+security=${security:-http://deb.debian.org/debian-security}
+base=$(mktemp -d /tmp/fusekeeper-images.XXXXXX)
+trap 'rm -rf "$base"' EXIT
+if ! podman image exists docker.io/library/debian:12; then
+  echo "making the Debian 12 base with mmdebstrap from $mirror"
+  mmdebstrap --quiet --variant=minbase --include=ca-certificates --format=tar bookworm "$base/debian12.tar" \
+    "deb $mirror bookworm main" "deb $mirror bookworm-updates main" "deb $security bookworm-security main"
+  podman import --quiet --change 'CMD ["/bin/bash"]' "$base/debian12.tar" docker.io/library/debian:12 >/dev/null
+  # debian:12-slim differs from debian:12 in leaving out documentation; the same minbase serves.
+  podman tag docker.io/library/debian:12 docker.io/library/debian:12-slim
+fi
+
+cache=/root/.cache/fusekeeper-bazel-disk
+mkdir -p "$cache"
+for target in agent fkserve webhook; do
+  echo "building fusekeeper/$target:$version"
+  buildah bud --quiet --pull=never --isolation=chroot --layers \
+    --volume "$cache:$cache" \
+    --label org.opencontainers.image.version="$version" \
+    --label org.opencontainers.image.revision="$revision" \
+    --label org.opencontainers.image.source=https://github.com/fusekeeper/fusekeeper \
+    --label org.opencontainers.image.title="fusekeeper $target" \
+    -f k8s/images/Dockerfile --target "$target" -t "fusekeeper/$target:$version" . >/dev/null
+done
+echo "built in $(( $(date +%s) - start )) s:"
+podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep '^localhost/fusekeeper/' | sed 's/^localhost\///'
