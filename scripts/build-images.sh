@@ -31,14 +31,28 @@ mirror=${mirror:-http://deb.debian.org/debian}
 security=${security:-http://deb.debian.org/debian-security}
 base=$(mktemp -d /tmp/fusekeeper-images.XXXXXX)
 trap 'rm -rf "$base"' EXIT
-if ! podman image exists docker.io/library/debian:12; then
-  echo "making the Debian 12 base with mmdebstrap from $mirror"
-  mmdebstrap --quiet --variant=minbase --include=ca-certificates --format=tar bookworm "$base/debian12.tar" \
+# As Debian's own images are made: the Essential packages and apt; apt keeps no package cache
+# (docker-clean); and the slim variant
+# leaves out documentation, manual pages and translations.
+clean_apt=(--aptopt='Dir::Cache::pkgcache ""' --aptopt='Dir::Cache::srcpkgcache ""'
+           --aptopt='DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; }'
+           --aptopt='APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; }'
+           --customize-hook='rm -rf "$1"/var/cache/apt/*.bin "$1"/var/lib/apt/lists/*')
+slim=(--dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*'
+      --dpkgopt='path-include=/usr/share/doc/*/copyright' --dpkgopt='path-exclude=/usr/share/locale/*'
+      --dpkgopt='path-exclude=/usr/share/info/*' --dpkgopt='path-exclude=/usr/share/lintian/*')
+make_base() {  # tag, extra mmdebstrap options...
+  local tag=$1; shift
+  if podman image exists "docker.io/library/debian:$tag"; then return; fi
+  echo "making debian:$tag with mmdebstrap from $mirror"
+  mmdebstrap --quiet --variant=apt --format=tar --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+    "${clean_apt[@]}" "$@" \
+    bookworm "$base/debian-$tag.tar" \
     "deb $mirror bookworm main" "deb $mirror bookworm-updates main" "deb $security bookworm-security main"
-  podman import --quiet --change 'CMD ["/bin/bash"]' "$base/debian12.tar" docker.io/library/debian:12 >/dev/null
-  # debian:12-slim differs from debian:12 in leaving out documentation; the same minbase serves.
-  podman tag docker.io/library/debian:12 docker.io/library/debian:12-slim
-fi
+  podman import --quiet --change 'CMD ["/bin/bash"]' "$base/debian-$tag.tar" "docker.io/library/debian:$tag" >/dev/null
+}
+make_base 12
+make_base 12-slim "${slim[@]}"
 
 cache=/root/.cache/fusekeeper-bazel-disk
 mkdir -p "$cache"
