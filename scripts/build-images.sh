@@ -54,12 +54,17 @@ make_base() {  # tag, extra mmdebstrap options...
 make_base 12
 make_base 12-slim "${slim[@]}"
 
-cache=/root/.cache/fusekeeper-bazel-disk
+# The build stage's Bazel disk cache (.bazelrc) is this host's: FUSEKEEPER_BAZEL_CACHE to lend
+# another directory (an empty one builds from scratch); FUSEKEEPER_IMAGE_NO_CACHE=1 also skips
+# buildah's layer cache.
+cache=${FUSEKEEPER_BAZEL_CACHE:-/root/.cache/fusekeeper-bazel-disk}
 mkdir -p "$cache"
+layers=(--layers)
+[ "${FUSEKEEPER_IMAGE_NO_CACHE:-0}" = 1 ] && layers=(--no-cache)
 for target in agent fkserve webhook; do
   echo "building fusekeeper/$target:$version"
-  buildah bud --quiet --pull=never --isolation=chroot --layers \
-    --volume "$cache:$cache" \
+  buildah bud --quiet --pull=never --isolation=chroot "${layers[@]}" \
+    --volume "$cache:/root/.cache/fusekeeper-bazel-disk" \
     --label org.opencontainers.image.version="$version" \
     --label org.opencontainers.image.revision="$revision" \
     --label org.opencontainers.image.source=https://github.com/fusekeeper/fusekeeper \

@@ -138,6 +138,42 @@ for path, d in docs:
             problems.append(f"{path}: the agent must be privileged")
 
 
+# Images follow the build: scripts/build-images.sh tags fusekeeper/<target> with the version in
+# agent/version.h; kustomization.yaml's images are the one place that sets it for k8s/; examples
+# applied on their own carry the same tag; the webhook injects the fkserve of the same version.
+version_h = open(os.environ.get("VERSION_H", "agent/version.h")).read()
+version = re.search(r'#define FUSEKEEPER_VERSION_STRING "([^"]+)"', version_h).group(1)
+build_script = open(os.environ.get("BUILD_IMAGES", "scripts/build-images.sh")).read()
+built = set(re.search(r"for target in ([a-z ]+); do", build_script).group(1).split())
+kust_images = {i["name"]: i for i in kust.get("images", [])}
+managed = set(kust.get("resources", []))
+for path, d in docs:
+    spec = None
+    if d.get("kind") in ("DaemonSet", "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+    elif d.get("kind") == "Pod":
+        spec = d["spec"]
+    for c in containers(spec or {}):
+        name, _, tag = c["image"].partition(":")
+        if not name.startswith("fusekeeper/"):
+            continue
+        target = name.split("/", 1)[1]
+        if target not in built:
+            problems.append(f"{path}: image {c['image']}: scripts/build-images.sh builds no '{target}'")
+        if os.path.relpath(path, root) in managed:
+            if tag:
+                problems.append(f"{path}: image {c['image']} carries a tag; kustomization.yaml images sets it")
+            if kust_images.get(name, {}).get("newTag") != version:
+                problems.append(f"kustomization.yaml images: {name} must have newTag {version} (agent/version.h)")
+        elif tag != version:
+            problems.append(f"{path}: image {c['image']} is not the built version {version}")
+for name, i in kust_images.items():
+    if i.get("newTag") != version:
+        problems.append(f"kustomization.yaml images: {name} newTag {i.get('newTag')} is not the built version {version}")
+default_server = re.search(r"-default_server_image \(.*?\) type: string\s+default: \"([^\"]+)\"", webhook_help, re.S)
+if not default_server or default_server.group(1) != f"fusekeeper/fkserve:{version}":
+    problems.append(f"the webhook's --default_server_image is not fusekeeper/fkserve:{version}")
+
 
 def arg_value(container, flag):
     return next((a.split("=", 1)[1] for a in container.get("args", []) if a.startswith(f"--{flag}=")), None)
