@@ -26,7 +26,6 @@
 #include "agent/loop/loop.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
-#include "agent/volume/fuse_kind.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_kind.h"
 #include "agent/volume/volume_ops.h"
