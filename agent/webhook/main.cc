@@ -18,6 +18,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <csignal>
+#include <cstring>
+#include <pthread.h>
+#include <signal.h>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -168,14 +171,15 @@ absl::Status PatchCaBundle(const KubeClient& kube, const std::string& config, co
 }
 
 std::atomic<bool> g_stop{false};
-httplib::Server* g_server = nullptr;
-
-void OnSignal(int) {
-  g_stop = true;
-  if (g_server != nullptr) g_server->stop();
-}
 
 int Main() {
+  // SIGTERM/SIGINT are taken by one thread (sigwait), not a handler: stopping the server is not
+  // async-signal-safe. Blocked before any thread starts, so every thread inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   Policy policy;
   policy.driver = FLAGS_driver_name;
   policy.server.image = FLAGS_default_server_image;
@@ -333,9 +337,15 @@ int Main() {
   server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
     if (res.status == 413) res.set_content("fusekeeper webhook: the request is too large\n", "text/plain");
   });
-  g_server = &server;
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
+  // Ends the renewer (under its mutex: a wake-up between its check and its wait is not lost).
+  auto stop_renewer = [&] {
+    {
+      std::lock_guard<std::mutex> lock(renew_mu);
+      g_stop = true;
+    }
+    renew_cv.notify_all();
+    if (renewer.joinable()) renewer.join();
+  };
   const std::string host = listen[0].empty() ? "0.0.0.0" : listen[0];
   if (port == 0) {
     port = server.bind_to_any_port(host);  // -1 on failure
@@ -344,9 +354,7 @@ int Main() {
   }
   if (port <= 0) {
     LOG(ERROR) << "cannot listen on " << FLAGS_listen;
-    g_stop = true;
-    renew_cv.notify_all();
-    renewer.join();
+    stop_renewer();
     return 2;
   }
   if (!FLAGS_port_file.empty()) {
@@ -357,12 +365,20 @@ int Main() {
       rename(tmp.c_str(), FLAGS_port_file.c_str());
     }
   }
+  std::atomic<bool> signalled{false};
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    signalled = true;
+    LOG(INFO) << strsignal(sig) << ": stopping";
+    server.stop();
+  });
   LOG(INFO) << "fusekeeper-webhook " << FUSEKEEPER_VERSION_STRING << " listening on " << host << ":" << port
             << " for driver " << policy.driver;
   server.listen_after_bind();
-  g_stop = true;
-  renew_cv.notify_all();
-  renewer.join();
+  if (!signalled) kill(getpid(), SIGTERM);  // the server ended on its own: release the signal thread
+  signals.join();
+  stop_renewer();
   LOG(INFO) << "stopped";
   return 0;
 }
