@@ -31,12 +31,13 @@ grpc::ServerUnaryReactor* IdentityService::Probe(grpc::CallbackServerContext* ct
                                                  const csi::v1::ProbeRequest* req,
                                                  csi::v1::ProbeResponse* resp) {
   return dispatcher_.AnswerInline(ctx, "Probe", *req, resp, [this](csi::v1::ProbeResponse* probe) {
-    if (!loop_.running()) return absl::UnavailableError("fusekeeper event loop has stopped");
+    if (loop_.stop_requested()) return absl::UnavailableError("fusekeeper event loop has stopped");
     const auto busy = loop_.busy_for();
     const bool stalled = busy >= absl::ToChronoNanoseconds(options_.loop_stall_limit);
     LOG_IF(WARNING, stalled) << "Probe: the event loop has been busy for "
                              << absl::FormatDuration(absl::FromChrono(busy)) << " without waiting: not ready";
-    probe->mutable_ready()->set_value(!stalled && !dispatcher_.draining() &&
+    // Not ready until the loop runs (it may not have started yet) and while it is stuck.
+    probe->mutable_ready()->set_value(loop_.running() && !stalled && !dispatcher_.draining() &&
                                       (!options_.ready || options_.ready()));
     return absl::OkStatus();
   });

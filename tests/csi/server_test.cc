@@ -35,7 +35,8 @@ class CsiServerTest : public ::testing::Test {
     options.identity.vendor_version = "9.9.9-test";
     options.identity.manifest = {{"k", "v"}};
     options.node.node_id = "node-a";
-    options.identity.loop_stall_limit = absl::Milliseconds(200);
+    // Long enough that a loop merely descheduled on a loaded machine is not taken for wedged.
+    options.identity.loop_stall_limit = absl::Seconds(1);
     auto server = CsiServer::Start(lt_.loop(), options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -46,6 +47,21 @@ class CsiServerTest : public ::testing::Test {
   }
   void TearDown() override {
     if (server_) server_->Shutdown(absl::Seconds(5));
+  }
+
+  // Probe answers on gRPC's thread: right after SetUp the loop thread may not run yet (not ready,
+  // but never an error). Waits, bounded, until it says ready.
+  bool ProbeBecomesReady() {
+    const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    while (std::chrono::steady_clock::now() < deadline) {
+      csi::v1::ProbeResponse resp;
+      auto ctx = Ctx();
+      grpc::Status s = identity_->Probe(ctx.get(), {}, &resp);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      if (!s.ok()) return false;
+      if (resp.ready().value()) return true;
+    }
+    return false;
   }
 
   std::unique_ptr<grpc::ClientContext> Ctx() {
@@ -89,6 +105,7 @@ TEST_F(CsiServerTest, PluginCapabilitiesAdvertiseNoControllerService) {
 }
 
 TEST_F(CsiServerTest, ProbeIsReadyWhileTheLoopRunsAndUnavailableWhenDraining) {
+  ASSERT_TRUE(ProbeBecomesReady());
   csi::v1::ProbeResponse resp;
   auto ctx = Ctx();
   ASSERT_TRUE(identity_->Probe(ctx.get(), {}, &resp).ok());
@@ -112,7 +129,7 @@ TEST_F(CsiServerTest, ProbeIsNotReadyWhileTheLoopIsWedgedAndReadyAgainAfter) {
     EXPECT_TRUE(s.ok()) << s.error_message();
     return resp.ready().value();
   };
-  ASSERT_TRUE(ready());
+  ASSERT_TRUE(ProbeBecomesReady());
   std::promise<void> entered, release;
   std::shared_future<void> released = release.get_future().share();
   ASSERT_TRUE(lt_.loop().Post([&entered, released] {
