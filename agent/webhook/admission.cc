@@ -26,7 +26,16 @@ HttpAnswer Answer(const std::string& uid, const Mutation& m) {
     response["patchType"] = "JSONPatch";
     response["patch"] = absl::Base64Escape(m.patch.dump());
   }
-  if (!m.warnings.empty()) response["warnings"] = m.warnings;
+  if (!m.warnings.empty()) {
+    // The API server may cut warnings over 256 characters (and drop some of many): each is kept
+    // within that, and at most 16 are sent.
+    std::vector<std::string> warnings;
+    for (const std::string& w : m.warnings) {
+      if (warnings.size() == 16) break;
+      warnings.push_back(w.size() <= 256 ? w : w.substr(0, 253) + "...");
+    }
+    response["warnings"] = warnings;
+  }
   HttpAnswer a;
   a.body = json{{"apiVersion", kApiVersion}, {"kind", "AdmissionReview"}, {"response", std::move(response)}}.dump();
   return a;

@@ -185,7 +185,7 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
   std::map<std::string, std::string> set_annotations;
 
   // 1. Mount policy: HostToContainer wherever the pod did not choose.
-  std::vector<std::string> kept;
+  std::vector<std::string> kept;  // "container/volume (propagation)"
   for (const char* list : {"initContainers", "containers"}) {
     const json& containers = ArrayOrEmpty(*spec, list);
     for (size_t ci = 0; ci < containers.size(); ++ci) {
@@ -196,7 +196,13 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
         if (Member(mounts[mi], "mountPropagation") != nullptr) {
           const std::string p = String(mounts[mi], "mountPropagation");
           if (p != "HostToContainer" && p != "Bidirectional") {
-            kept.push_back(absl::StrCat(String(containers[ci], "name"), "/", volume, " (", p.empty() ? "unset" : p, ")"));
+            const std::string container = String(containers[ci], "name");
+            const std::string shown = p.empty() ? "unset" : p;
+            kept.push_back(absl::StrCat(container, "/", volume, " (", shown, ")"));
+            // One short warning per mount: the API server may cut warnings over 256 characters.
+            m.warnings.push_back(absl::StrCat("fusekeeper: container ", container, " keeps mountPropagation ", shown,
+                                              " on volume ", volume, ": FUSE recovery cannot reach it; set "
+                                              "HostToContainer (or leave the field out)"));
           }
           continue;
         }
@@ -205,13 +211,7 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
       }
     }
   }
-  if (!kept.empty()) {
-    m.warnings.push_back(absl::StrCat(
-        "fusekeeper: ", absl::StrJoin(kept, ", "), ": this pod set mountPropagation itself, so it was kept; if the "
-        "volume's FUSE connection has to be replaced, recovery cannot reach these containers (they keep a dead "
-        "mount until the pod is recreated). Set HostToContainer, or leave the field out and it is set for you."));
-    set_annotations[kPropagationKeptAnnotation] = absl::StrJoin(kept, ", ");
-  }
+  if (!kept.empty()) set_annotations[kPropagationKeptAnnotation] = absl::StrJoin(kept, ", ");
 
   // 2. Server injection.
   if (inject && inline_fuse.empty()) {

@@ -1,6 +1,6 @@
 // libFuzzer target: an AdmissionReview body of any shape must give an answer, never a crash. A
-// 200 answer is a well-formed AdmissionReview response, and any patch it carries applies to the
-// pod it came from.
+// 200 answer is a well-formed AdmissionReview response with at most 16 warnings of at most 256
+// characters, and any patch it carries applies to the pod it came from.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,6 +29,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const json out = json::parse(a.body, nullptr, false);
   if (!out.is_object() || !out.contains("response") || !out["response"].contains("uid")) __builtin_trap();
   const json& r = out["response"];
+  if (r.contains("warnings")) {  // what the API server passes on uncut
+    if (r["warnings"].size() > 16) __builtin_trap();
+    for (const auto& w : r["warnings"]) {
+      if (w.get<std::string>().size() > 256) __builtin_trap();
+    }
+  }
   if (r.contains("patch")) {
     std::string patch_text;
     if (!absl::Base64Unescape(r["patch"].get<std::string>(), &patch_text)) __builtin_trap();
