@@ -24,6 +24,7 @@
 #include "glog/logging.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
+#include "tests/webhook/recorded_pods.h"
 
 namespace fusekeeper {
 namespace {
@@ -85,9 +86,6 @@ Servers& Get() {
         "--kubelet_dir=" + s->dir + "/kubelet", "--state_dir=" + s->dir + "/state",
         "--metrics_address=127.0.0.1:" + std::to_string(s->metrics_port), "--kubelet_url="});
     CHECK(s->agent->WaitForStderr("CSI server listening", 1, std::chrono::seconds(60))) << s->agent->Stderr();
-    std::ifstream in(RunfilePath("tests/webhook/testdata/inline_fuse_opt_in.json"));
-    std::stringstream pod;
-    pod << in.rdbuf();
     s->review = json{{"apiVersion", "admission.k8s.io/v1"},
                      {"kind", "AdmissionReview"},
                      {"request",
@@ -95,7 +93,7 @@ Servers& Get() {
                        {"operation", "CREATE"},
                        {"namespace", "team"},
                        {"resource", {{"group", ""}, {"version", "v1"}, {"resource", "pods"}}},
-                       {"object", json::parse(pod.str())}}}}
+                       {"object", RecordedPod("inline_fuse_opt_in.json")}}}}
                     .dump();
     return s;
   }();

@@ -99,9 +99,7 @@ absl::Status CheckStagedMountGroup(const state::Volume& v, const VolumeCapabilit
 // request or a reader-only access mode) and noexec. FUSE mounts are nosuid and nodev already.
 BindOptions StagedTargetBind(const csi::v1::NodePublishVolumeRequest& req) {
   BindOptions o;
-  const auto mode = req.volume_capability().access_mode().mode();
-  o.read_only = req.readonly() || mode == VolumeCapability::AccessMode::SINGLE_NODE_READER_ONLY ||
-                mode == VolumeCapability::AccessMode::MULTI_NODE_READER_ONLY;
+  o.read_only = ReadOnlyRequested(req.volume_capability(), req.readonly());
   for (const auto& f : req.volume_capability().mount().mount_flags()) {
     if (f == "ro") o.read_only = true;
     if (f == "noexec") o.noexec = true;

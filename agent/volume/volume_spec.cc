@@ -31,11 +31,15 @@ absl::Status CheckName(const std::string& name, absl::string_view what) {
   return absl::OkStatus();
 }
 
+bool ReadOnlyRequested(const VolumeCapability& cap, bool readonly) {
+  const auto mode = cap.access_mode().mode();
+  return readonly || mode == VolumeCapability::AccessMode::SINGLE_NODE_READER_ONLY ||
+         mode == VolumeCapability::AccessMode::MULTI_NODE_READER_ONLY;
+}
+
 absl::StatusOr<BindOptions> ParseBindOptions(const VolumeCapability& cap, bool readonly, absl::string_view kind) {
   BindOptions o;
-  o.read_only = readonly ||
-                cap.access_mode().mode() == VolumeCapability::AccessMode::SINGLE_NODE_READER_ONLY ||
-                cap.access_mode().mode() == VolumeCapability::AccessMode::MULTI_NODE_READER_ONLY;
+  o.read_only = ReadOnlyRequested(cap, readonly);
   const auto& flags = cap.mount().mount_flags();
   for (int i = 0; i < flags.size(); ++i) {
     const std::string& f = flags[i];

@@ -29,6 +29,9 @@ absl::StatusOr<uint32_t> ParseId(const std::string& value, absl::string_view wha
 // A single path component chosen by a pod author: not empty, ".", ".." and without '/' or NUL.
 absl::Status CheckName(const std::string& name, absl::string_view what);
 
+// Whether a mount must be read-only for the request itself: `readonly`, or a reader-only access mode.
+bool ReadOnlyRequested(const csi::v1::VolumeCapability& cap, bool readonly);
+
 // The mount flags a bind mount honours (ro, rw, bind, defaults, nosuid, nodev, noexec); read-only
 // also when `readonly` or the access mode is a reader-only one. `kind` names the volume kind in
 // the error for any other flag.

@@ -12,6 +12,7 @@
 #include "agent/webhook/pod_mutation.h"
 #include "nlohmann/json.hpp"
 #include "tests/volume/fuse_fixture.h"
+#include "tests/webhook/recorded_pods.h"
 
 namespace fusekeeper {
 namespace {
@@ -23,10 +24,7 @@ class InjectedPodTest : public FuseE2ETest {
  protected:
   // The pod as its author wrote it, with the sidecar serving this test's export.
   json AuthoredPod() {
-    std::ifstream in(RunfilePath("tests/webhook/testdata/inline_fuse_opt_in.json"));
-    std::stringstream s;
-    s << in.rdbuf();
-    json pod = json::parse(s.str());
+    json pod = RecordedPod("inline_fuse_opt_in.json");
     pod["spec"]["volumes"][1]["csi"]["volumeAttributes"]["serverUid"] = std::to_string(kServerUid);
     pod["metadata"]["annotations"]["fusekeeper.csi/server-args"] =
         json::array({"--socket=$(FUSEKEEPER_SOCKET)", "--ready_file=$(FUSEKEEPER_READY_FILE)", "serve",

@@ -8,19 +8,14 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "tests/testing/subprocess.h"
+#include "tests/webhook/recorded_pods.h"
 
 namespace fusekeeper::webhook {
 namespace {
 
 using json = nlohmann::json;
 
-json Recorded(const std::string& name) {
-  std::ifstream in(RunfilePath("tests/webhook/testdata/" + name));
-  std::stringstream s;
-  s << in.rdbuf();
-  return json::parse(s.str());
-}
+json Recorded(const std::string& name) { return RecordedPod(name); }
 
 // The pod after its mutation's patch (which must apply cleanly).
 json Patched(const json& pod, const Mutation& m) { return pod.patch(m.patch); }

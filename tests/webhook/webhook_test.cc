@@ -15,6 +15,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/testing/fake_kube.h"
 #include "tests/testing/subprocess.h"
+#include "tests/webhook/recorded_pods.h"
 
 namespace fusekeeper {
 namespace {
@@ -23,13 +24,6 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 
 constexpr char kServiceName[] = "fusekeeper-webhook.fusekeeper.svc";
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 json ReviewOf(const json& pod, const std::string& operation = "CREATE") {
   return json{{"apiVersion", "admission.k8s.io/v1"},
@@ -42,7 +36,7 @@ json ReviewOf(const json& pod, const std::string& operation = "CREATE") {
                 {"object", pod}}}};
 }
 
-json Recorded(const std::string& name) { return json::parse(Slurp(RunfilePath("tests/webhook/testdata/" + name))); }
+json Recorded(const std::string& name) { return RecordedPod(name); }
 
 class WebhookTest : public ::testing::Test {
  protected:
