@@ -382,7 +382,8 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
   if (ep == endpoints_.end() || ep->second.endpoint->served()) return;
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
-  if (!host_.TryClaim(volume_id)) {
+  ClaimQueue::Claim claim = host_.TryClaim(volume_id);
+  if (!claim) {
     // An RPC on this volume is in progress; look again shortly.
     ep->second.timeout = host_.loop().AddTimer(std::chrono::seconds(1), [this, volume_id, path] {
       OnHandoffTimeout(volume_id, path);
@@ -403,7 +404,7 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
   ep->second.gone_reason = message;
   host_.Event(*v, "Warning", "FuseServerNeverConnected", message);
   const PathMounts mounts = MountsAt(*v, path);
-  host_.RunClaimed(volume_id,
+  host_.RunClaimed(std::move(claim),
                    KindJob{"handoff timeout: abort the unserved connection",
                            [ctx = host_.ops_context(), path, mounts]() -> absl::StatusOr<AdoptFn> {
                              AbortConnectionsAtBlocking(*ctx.kubelet, path,

@@ -34,9 +34,10 @@ void FuseKind::Started() {
     // Under the volume's claim: a repair (which makes the socket again itself) or an RPC on the
     // volume must not interleave with replacing its socket file. A volume that is busy now gets
     // its socket from that work's repair instead.
-    if (!host_.TryClaim(id)) continue;
+    ClaimQueue::Claim claim = host_.TryClaim(id);
+    if (!claim) continue;
     host_.RunClaimed(
-        id,
+        std::move(claim),
         KindJob{"handoff socket after restart",
                 [this, ctx = host_.ops_context(), v = v, id = id, path]() -> absl::StatusOr<AdoptFn> {
                   auto listen = ListenForServerBlocking(ctx, v);
@@ -178,7 +179,8 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
   if (v == nullptr || v->kind() != kFuseKind || repairing_.count(volume_id) > 0) return;
   const std::string path = FuseMountPath(*v);
   if (path.empty()) return;
-  if (!host_.TryClaim(volume_id)) {
+  ClaimQueue::Claim claim = host_.TryClaim(volume_id);
+  if (!claim) {
     // An RPC on the volume is in flight; it may be unpublishing it. Look again after it.
     return RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
   }
@@ -236,7 +238,7 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
           return VolumeChange::Set(r->rebound.volume);
         });
       }};
-  host_.RunClaimed(volume_id, std::move(job), [this, volume_id, why, since](absl::Status s) {
+  host_.RunClaimed(std::move(claim), std::move(job), [this, volume_id, why, since](absl::Status s) {
     if (s.ok()) return;
     repairing_.erase(volume_id);
     const state::Volume* v = host_.Find(volume_id);
@@ -252,7 +254,8 @@ void FuseKind::Rebind(const std::string& volume_id, const std::string& why,
                       std::optional<state::MountIdentity> adopt_global) {
   const state::Volume* found = host_.Find(volume_id);
   if (found == nullptr || repairing_.count(volume_id) > 0) return;
-  if (!host_.TryClaim(volume_id)) {
+  ClaimQueue::Claim claim = host_.TryClaim(volume_id);
+  if (!claim) {
     return RetryLater(volume_id, [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); });
   }
   repairing_.insert(volume_id);
@@ -288,7 +291,7 @@ void FuseKind::Rebind(const std::string& volume_id, const std::string& why,
                   return VolumeChange::Set(r->volume);
                 });
               }};
-  host_.RunClaimed(volume_id, std::move(job), [this, volume_id, why, adopt_global](absl::Status s) {
+  host_.RunClaimed(std::move(claim), std::move(job), [this, volume_id, why, adopt_global](absl::Status s) {
     if (s.ok()) return;
     repairing_.erase(volume_id);
     LOG(ERROR) << "volume " << volume_id << ": re-binding targets failed: " << s;

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "agent/loop/loop.h"
 #include "agent/mount/mountinfo.h"
+#include "agent/volume/claim_queue.h"
 #include "agent/volume/volume_ops.h"
 #include "proto/csi.pb.h"
 #include "proto/state.pb.h"
@@ -62,14 +63,13 @@ class VolumeHost {
   virtual const state::Volume* Find(const std::string& volume_id) const = 0;
   // Whether an RPC or a repair holds the volume's claim.
   virtual bool Busy(const std::string& volume_id) const = 0;
-  // Takes the volume's claim for work that is not an RPC (a repair, a timeout's clean-up); false
-  // if it is held (or the manager is not ready). Pair with RunClaimed or Release.
-  virtual bool TryClaim(const std::string& volume_id) = 0;
-  virtual void Release(const std::string& volume_id) = 0;
-  // Runs `job` under the claim the caller holds, records the state its adopt returns, releases
-  // the claim and passes the outcome to `done` (on the loop; may be empty).
-  virtual void RunClaimed(const std::string& volume_id, KindJob job,
-                          absl::AnyInvocable<void(absl::Status)> done) = 0;
+  // The volume's whole claim for work that is not an RPC (a repair, a timeout's clean-up), if it
+  // is free and no RPC waits for it; empty otherwise (or if the manager is not ready). The claim
+  // ends when the handle is dropped: pass it to RunClaimed.
+  virtual ClaimQueue::Claim TryClaim(const std::string& volume_id) = 0;
+  // Runs `job` under `claim`, records the state its adopt returns, ends the claim and passes the
+  // outcome to `done` (on the loop; may be empty).
+  virtual void RunClaimed(ClaimQueue::Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done) = 0;
   // statfs of the mount at `mount_path` (which must be `id`) on the probe pool, answered within
   // the stats deadline: abnormal if it does not answer. `path` names it in messages.
   virtual void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,

@@ -35,6 +35,8 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
       table_reader_(table_reader),
       options_(options),
       ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes, options.host_root},
+      claims_(loop, ClaimQueue::Options{.max_queued_per_volume = options.max_queued_per_volume,
+                                        .max_wait = options.max_queue_wait}),
       own_probe_pool_(probe_pool != nullptr
                           ? nullptr
                           : std::make_unique<BlockingPool>(
@@ -112,72 +114,11 @@ void VolumeManager::Start(Done done) {
   if (!submitted.ok()) LOG(ERROR) << submitted;
 }
 
-bool VolumeManager::CanClaim(const std::string& volume_id, const std::string& target) const {
-  auto it = claims_.find(volume_id);
-  if (it == claims_.end()) return true;
-  if (it->second.whole) return false;
-  return !target.empty() && it->second.targets.count(target) == 0;
-}
+bool VolumeManager::Busy(const std::string& volume_id) const { return claims_.Busy(volume_id); }
 
-bool VolumeManager::Busy(const std::string& volume_id) const { return claims_.count(volume_id) > 0; }
-
-absl::Status VolumeManager::Claim(const std::string& volume_id, const std::string& target) {
-  if (!ready_) return absl::UnavailableError("fusekeeper is still reconciling volume state; retry");
-  if (!CanClaim(volume_id, target)) {
-    return absl::AbortedError(absl::StrCat("an operation on volume ", volume_id, " is already in progress"));
-  }
-  Claims& c = claims_[volume_id];
-  if (target.empty()) {
-    c.whole = true;
-  } else {
-    c.targets.insert(target);
-  }
-  return absl::OkStatus();
-}
-
-void VolumeManager::Release(const std::string& volume_id) { ReleaseClaim(volume_id, ""); }
-
-void VolumeManager::ReleaseClaim(const std::string& volume_id, const std::string& target) {
-  auto c = claims_.find(volume_id);
-  if (c != claims_.end()) {
-    if (target.empty()) {
-      c->second.whole = false;
-    } else {
-      c->second.targets.erase(target);
-    }
-    if (!c->second.whole && c->second.targets.empty()) claims_.erase(c);
-  }
-  auto it = waiters_.find(volume_id);
-  if (it == waiters_.end()) return;
-  // In order, every waiter at the front whose claim is now free (several publishes of distinct
-  // targets can start together); the first that must still wait keeps its place, and those
-  // behind it keep theirs. Each starts from scratch after the current callback (the finished
-  // operation answers first) and sees the state that operation left.
-  std::set<std::string> starting;  // targets of waiters started here
-  bool whole_starting = false;
-  auto& q = it->second;
-  while (!q.empty()) {
-    const std::shared_ptr<Waiter>& w = q.front();
-    const bool free = CanClaim(volume_id, w->target) && !whole_starting &&
-                      (w->target.empty() ? starting.empty() : starting.count(w->target) == 0);
-    if (!free) break;
-    whole_starting = w->target.empty();
-    starting.insert(w->target);
-    std::shared_ptr<Waiter> next = w;
-    q.pop_front();
-    loop_.CancelTimer(next->timer);
-    loop_.Post([this, next] {
-      resuming_waiter_ = true;
-      next->run(std::move(next->done));
-      resuming_waiter_ = false;
-    });
-    if (whole_starting) break;
-  }
-  if (q.empty()) waiters_.erase(it);
-}
-
-bool VolumeManager::TryClaim(const std::string& volume_id) {
-  return Claim(volume_id, "").ok();
+ClaimQueue::Claim VolumeManager::TryClaim(const std::string& volume_id) {
+  if (!ready_) return Claim();
+  return claims_.TryAcquire(volume_id, "");
 }
 
 const state::Volume* VolumeManager::Find(const std::string& volume_id) const {
@@ -185,23 +126,25 @@ const state::Volume* VolumeManager::Find(const std::string& volume_id) const {
   return it == volumes_.end() ? nullptr : &it->second;
 }
 
-void VolumeManager::RunClaimed(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done) {
-  RunJob(volume_id, "", std::move(job), std::move(done), /*answer_from_pool=*/false);
+void VolumeManager::RunClaimed(Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done) {
+  RunJob(std::move(claim), std::move(job), std::move(done), /*answer_from_pool=*/false);
 }
 
-void VolumeManager::RunRpcJob(const std::string& volume_id, const std::string& target, absl::StatusOr<KindJob> job,
-                              Done done) {
+void VolumeManager::RunRpcJob(Claim claim, absl::StatusOr<KindJob> job, Done done) {
   if (!job.ok()) {
-    ReleaseClaim(volume_id, target);
+    claim.Release();
     return done(job.status());
   }
-  RunJob(volume_id, target, std::move(*job), std::move(done), /*answer_from_pool=*/true);
+  RunJob(std::move(claim), std::move(*job), std::move(done), /*answer_from_pool=*/true);
 }
 
-void VolumeManager::RunJob(const std::string& volume_id, const std::string& target, KindJob job,
-                           absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool) {
+void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done,
+                           bool answer_from_pool) {
+  CHECK(claim) << "a job runs under a claim";
+  const std::string volume_id = claim.volume_id();
+  const std::string target = claim.target();
   if (!job.work) {
-    ReleaseClaim(volume_id, target);
+    claim.Release();
     if (done) done(absl::OkStatus());
     return;
   }
@@ -214,9 +157,12 @@ void VolumeManager::RunJob(const std::string& volume_id, const std::string& targ
   auto r = std::make_shared<Running>();
   r->work = std::move(job.work);
   r->done = std::move(done);
+  // The claim stays on the loop thread while the work runs on the pool.
+  const uint64_t job_number = ++next_job_;
+  running_claims_.emplace(job_number, std::move(claim));
   // On the loop: record the state the job left, end the claim (the next operation on the volume
   // sees that state), and (unless the pool thread answered already) pass the outcome on.
-  auto finish = [this, volume_id, target](const std::shared_ptr<Running>& r, bool answer) {
+  auto finish = [this, volume_id, target, job_number](const std::shared_ptr<Running>& r, bool answer) {
     const absl::Status outcome = r->result.status();
     if (outcome.ok()) {
       VolumeChange change = (*r->result)();
@@ -230,7 +176,7 @@ void VolumeManager::RunJob(const std::string& volume_id, const std::string& targ
         volumes_.erase(volume_id);
       }
     }
-    ReleaseClaim(volume_id, target);
+    running_claims_.erase(job_number);
     if (answer && r->done) r->done(outcome);
   };
   absl::Status s = pool_.Submit(
@@ -249,16 +195,16 @@ void VolumeManager::RunJob(const std::string& volume_id, const std::string& targ
         }
         r->done(outcome);
       },
-      [this, volume_id, target, r, finish, answer_from_pool](absl::Status ran) mutable {
+      [this, r, finish, answer_from_pool, job_number](absl::Status ran) mutable {
         if (!ran.ok() || !r->ran) {  // the pool shut down before the work started
-          ReleaseClaim(volume_id, target);
+          running_claims_.erase(job_number);
           if (r->done) r->done(ran.ok() ? absl::CancelledError("not run") : ran);
           return;
         }
         if (!answer_from_pool) finish(r, /*answer=*/true);
       });
   if (!s.ok()) {
-    ReleaseClaim(volume_id, target);
+    running_claims_.erase(job_number);
     if (r->done) r->done(s);
   }
 }
@@ -315,8 +261,11 @@ absl::StatusOr<state::Spec> VolumeManager::RequestSpec(
 }
 
 void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done) {
+  WithClaim(req.volume_id(), "", req, std::move(done), &VolumeManager::StageClaimed);
+}
+
+void VolumeManager::StageClaimed(Claim claim, const csi::v1::NodeStageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  if (WaitTurn(id, "", req, done, &VolumeManager::Stage)) return;
   auto kind = KindFor(req.volume_context());
   if (!kind.ok()) return done(kind.status());
   auto spec = RequestSpec(**kind, req.volume_context(), req.volume_capability(), /*staged=*/true);
@@ -351,23 +300,24 @@ void VolumeManager::Stage(const csi::v1::NodeStageVolumeRequest& req, Done done)
   (*kind)->ApplySpec(*spec, &call.volume);
   call.volume.set_staging_path(req.staging_target_path());
   call.volume.set_staging_fingerprint(fp);
-  if (auto s = Claim(id, ""); !s.ok()) return done(s);
-  RunRpcJob(id, "", (*kind)->Stage(std::move(call)), std::move(done));
+  RunRpcJob(std::move(claim), (*kind)->Stage(std::move(call)), std::move(done));
 }
 
 void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done done) {
+  WithClaim(req.volume_id(), "", req, std::move(done), &VolumeManager::UnstageClaimed);
+}
+
+void VolumeManager::UnstageClaimed(Claim claim, const csi::v1::NodeUnstageVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
-  if (WaitTurn(id, "", req, done, &VolumeManager::Unstage)) return;
   if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
     return done(rel.status());
   }
   auto it = volumes_.find(id);
   if (it == volumes_.end() || it->second.staging_path().empty()) {
     // Already unstaged (a repeat), or never staged by us: OK if nothing is mounted there.
-    if (auto s = Claim(id, ""); !s.ok()) return done(s);
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
-    return RunRpcJob(id, "",
+    return RunRpcJob(std::move(claim),
                       StateJob("NodeUnstageVolume",
                                [ctx = ctx_, path = req.staging_target_path(), id,
                                 keep]() -> absl::StatusOr<std::optional<state::Volume>> {
@@ -388,21 +338,22 @@ void VolumeManager::Unstage(const csi::v1::NodeUnstageVolumeRequest& req, Done d
                                                            " target(s), e.g. ", v.targets(0).path(),
                                                            "; unpublish them first")));
   }
-  if (auto s = Claim(id, ""); !s.ok()) return done(s);
-  RunRpcJob(id, "", KindOf(v).Unstage(v), std::move(done));
+  RunRpcJob(std::move(claim), KindOf(v).Unstage(v), std::move(done));
 }
 
 void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done done) {
-  const std::string& id = req.volume_id();
-  const std::string& target = req.target_path();
   // Publishes of distinct targets of a staged volume run side by side, each under its target's
   // claim (state writes touch only their own target: StateStore::SaveTargetBlocking); anything
   // else on the volume, and the same target again, waits its turn.
-  const bool staged_request = !req.staging_target_path().empty();
-  const std::string scope = staged_request ? target : "";
-  if (WaitTurn(id, scope, req, done, &VolumeManager::Publish)) return;
+  const std::string scope = req.staging_target_path().empty() ? "" : req.target_path();
+  WithClaim(req.volume_id(), scope, req, std::move(done), &VolumeManager::PublishClaimed);
+}
+
+void VolumeManager::PublishClaimed(Claim claim, const csi::v1::NodePublishVolumeRequest& req, Done done) {
+  const std::string& id = req.volume_id();
+  const std::string& target = req.target_path();
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
-  const bool staged = staged_request;
+  const bool staged = !req.staging_target_path().empty();
   if (staged) {
     if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
       return done(rel.status());
@@ -477,19 +428,21 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
     t->set_pod_uid(ContextValue(req.volume_context(), kPodUidKey));
     call.index = v.targets_size() - 1;
   }
-  if (auto s = Claim(id, scope); !s.ok()) return done(s);
-  RunRpcJob(id, scope, kind->Publish(std::move(call)), std::move(done));
+  RunRpcJob(std::move(claim), kind->Publish(std::move(call)), std::move(done));
 }
 
 void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Done done) {
+  // A target of a staged volume: only that target's claim (see Publish).
+  auto staged = volumes_.find(req.volume_id());
+  const bool target_scope = staged != volumes_.end() && !staged->second.staging_path().empty();
+  WithClaim(req.volume_id(), target_scope ? req.target_path() : "", req, std::move(done),
+            &VolumeManager::UnpublishClaimed);
+}
+
+void VolumeManager::UnpublishClaimed(Claim claim, const csi::v1::NodeUnpublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
   const std::string& target = req.target_path();
-  // A target of a staged volume: only that target's claim (see Publish).
-  auto staged = volumes_.find(id);
-  const std::string scope = staged != volumes_.end() && !staged->second.staging_path().empty() ? target : "";
-  if (WaitTurn(id, scope, req, done, &VolumeManager::Unpublish)) return;
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
-  if (auto s = Claim(id, scope); !s.ok()) return done(s);
   auto it = volumes_.find(id);
   const state::Target* known = nullptr;
   if (it != volumes_.end()) {
@@ -501,7 +454,7 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
     // A repeat (already unpublished) or a target we never published: OK if nothing is mounted.
     std::optional<state::Volume> keep;
     if (it != volumes_.end()) keep = it->second;
-    return RunRpcJob(id, scope,
+    return RunRpcJob(std::move(claim),
                       StateJob("NodeUnpublishVolume",
                                [ctx = ctx_, target, id, keep]() -> absl::StatusOr<std::optional<state::Volume>> {
                                  if (auto s = ForgetUnknownPathBlocking(ctx, target, id, /*remove_dir=*/true); !s.ok()) {
@@ -511,7 +464,7 @@ void VolumeManager::Unpublish(const csi::v1::NodeUnpublishVolumeRequest& req, Do
                                }),
                       std::move(done));
   }
-  RunRpcJob(id, scope, KindOf(it->second).Unpublish(it->second, *known), std::move(done));
+  RunRpcJob(std::move(claim), KindOf(it->second).Unpublish(it->second, *known), std::move(done));
 }
 
 void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDone done) {

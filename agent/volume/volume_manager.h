@@ -26,6 +26,7 @@
 #include "agent/loop/loop.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
+#include "agent/volume/claim_queue.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_kind.h"
 #include "agent/volume/volume_ops.h"
@@ -141,9 +142,8 @@ class VolumeManager final : public VolumeHost {
   const std::map<std::string, state::Volume>& volumes() const override { return volumes_; }
   const state::Volume* Find(const std::string& volume_id) const override;
   bool Busy(const std::string& volume_id) const override;
-  bool TryClaim(const std::string& volume_id) override;
-  void Release(const std::string& volume_id) override;
-  void RunClaimed(const std::string& volume_id, KindJob job, absl::AnyInvocable<void(absl::Status)> done) override;
+  ClaimQueue::Claim TryClaim(const std::string& volume_id) override;
+  void RunClaimed(ClaimQueue::Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done) override;
   void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,
              StatsDone done) override;
   void Event(const state::Volume& v, const std::string& type, const std::string& reason,
@@ -152,20 +152,19 @@ class VolumeManager final : public VolumeHost {
   void RecoveryFinished(const std::string& how, const std::string& outcome, absl::Duration latency) override;
 
  private:
-  // Claims: the whole volume (`target` empty: stage, unstage, inline volumes, repairs), or one
-  // target of a staged volume (its publish or unpublish). A whole claim excludes every other
-  // claim; target claims exclude the whole claim and claims of the same target only.
-  bool CanClaim(const std::string& volume_id, const std::string& target) const;
-  // Takes the claim for the duration; ABORTED if it is not free, UNAVAILABLE before Start.
-  absl::Status Claim(const std::string& volume_id, const std::string& target);
-  // Ends a claim; the waiters at the front of the volume's queue whose claims are now free run.
-  void ReleaseClaim(const std::string& volume_id, const std::string& target);
-  // If the claim is not free, queues `method(req, done)` to run when it may be and returns true
-  // (`done` is then owned by the queue: answered by the method, or with an error if the wait is
-  // too long or the queue full). False: free, go ahead.
+  using Claim = ClaimQueue::Claim;
+  // Runs `method(claim, req, done)` once the claim on (volume, target) is ours (ClaimQueue: a
+  // claim on the whole volume when `target` is empty, else on that target of a staged volume):
+  // at once if it is free, else when the volume's queue gets to it (`req` is then copied), or
+  // answers `done` with the queue's refusal. The method ends the claim by dropping it, whatever
+  // it answers: the queue moves on after every outcome.
   template <typename Req>
-  bool WaitTurn(const std::string& volume_id, const std::string& target, const Req& req, Done& done,
-                void (VolumeManager::*method)(const Req&, Done));
+  void WithClaim(const std::string& volume_id, const std::string& target, const Req& req, Done done,
+                 void (VolumeManager::*method)(Claim, const Req&, Done));
+  void StageClaimed(Claim claim, const csi::v1::NodeStageVolumeRequest& req, Done done);
+  void UnstageClaimed(Claim claim, const csi::v1::NodeUnstageVolumeRequest& req, Done done);
+  void PublishClaimed(Claim claim, const csi::v1::NodePublishVolumeRequest& req, Done done);
+  void UnpublishClaimed(Claim claim, const csi::v1::NodeUnpublishVolumeRequest& req, Done done);
   // Records what `from` (a job's copy of the volume) says of target `path` into the volume.
   void RecordTarget(const std::string& volume_id, const state::Volume& from, const std::string& path);
   // The kind named in volume_context (INVALID_ARGUMENT naming the supported ones if none is).
@@ -176,13 +175,13 @@ class VolumeManager final : public VolumeHost {
   absl::StatusOr<state::Spec> RequestSpec(VolumeKind& kind,
                                           const google::protobuf::Map<std::string, std::string>& volume_context,
                                           const csi::v1::VolumeCapability& cap, bool staged) const;
-  // Runs `job` under the claim `Claim` took and answers `done` with its outcome, from the pool
-  // thread (see Stage). An error instead of a job ends the claim and is the answer.
-  void RunRpcJob(const std::string& volume_id, const std::string& target, absl::StatusOr<KindJob> job, Done done);
-  // RunClaimed and RunRpcJob: `target` names the claim (Claim), `answer_from_pool` where `done`
-  // runs. A job under a target claim changes only that target of the recorded volume.
-  void RunJob(const std::string& volume_id, const std::string& target, KindJob job,
-              absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool);
+  // Runs `job` under `claim` and answers `done` with its outcome, from the pool thread (see
+  // Stage). An error instead of a job ends the claim and is the answer.
+  void RunRpcJob(Claim claim, absl::StatusOr<KindJob> job, Done done);
+  // RunClaimed and RunRpcJob: `answer_from_pool` says where `done` runs. A job under a target
+  // claim changes only that target of the recorded volume. The claim stays on the loop thread
+  // (in running_claims_) while the job runs on the pool, and ends there after its outcome.
+  void RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
   // ALREADY_EXISTS if `path` is, contains or lies inside any path of any volume (other than the
   // same path of `volume_id` itself: a repeat). `field` names it in the message.
@@ -198,19 +197,11 @@ class VolumeManager final : public VolumeHost {
   std::atomic<bool> ready_{false};  // written on the loop; read anywhere (Probe)
   std::map<std::string, state::Volume> volumes_;
   std::map<std::string, std::unique_ptr<VolumeKind>> kinds_;  // by volume_context["kind"]
-  struct Claims {
-    bool whole = false;
-    std::set<std::string> targets;
-  };
-  std::map<std::string, Claims> claims_;  // volumes with any claim
-  struct Waiter {
-    std::string target;  // the claim it waits for ("" : the whole volume)
-    absl::AnyInvocable<void(Done)> run;
-    Done done;
-    TimerId timer = 0;
-  };
-  std::map<std::string, std::deque<std::shared_ptr<Waiter>>> waiters_;  // per busy volume, FIFO
-  bool resuming_waiter_ = false;  // set while a waiter whose turn came re-enters its method
+  // The claims of jobs on the pool, by job number; loop thread only. Declared before the queue,
+  // which is destroyed first: claims that outlive it end without granting anyone.
+  std::map<uint64_t, Claim> running_claims_;
+  uint64_t next_job_ = 0;
+  ClaimQueue claims_;
   std::set<std::string> terminating_pods_;
   bool audit_retry_pending_ = false;  // an audit that skipped busy volumes looks again soon
   std::unique_ptr<BlockingPool> own_probe_pool_;
@@ -229,48 +220,15 @@ class VolumeManager final : public VolumeHost {
 };
 
 template <typename Req>
-bool VolumeManager::WaitTurn(const std::string& volume_id, const std::string& target, const Req& req, Done& done,
-                             void (VolumeManager::*method)(const Req&, Done)) {
-  if (!ready_) return false;
-  // A waiter whose turn has come goes ahead if its claim is still free; anyone else only if
-  // nobody waits ahead of it (or only for other targets, which it does not wait for).
-  const bool turn_came = std::exchange(resuming_waiter_, false);
-  if (CanClaim(volume_id, target) && turn_came) return false;
-  if (CanClaim(volume_id, target)) {
-    auto waiting = waiters_.find(volume_id);
-    bool ahead = false;
-    if (waiting != waiters_.end()) {
-      for (const auto& w : waiting->second) ahead = ahead || w->target.empty() || target.empty() || w->target == target;
-    }
-    if (!ahead) return false;
-  }
-  auto& queue = waiters_[volume_id];
-  if (static_cast<int>(queue.size()) >= options_.max_queued_per_volume) {
-    done(absl::ResourceExhaustedError(absl::StrCat(queue.size(), " RPCs already wait for volume ", volume_id,
-                                                   "; retry later")));
-    return true;
-  }
-  auto w = std::make_shared<Waiter>();
-  w->target = target;
-  w->run = [this, req, method](Done d) { (this->*method)(req, std::move(d)); };
-  w->done = std::move(done);
-  const absl::Time since = absl::Now();
-  w->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.max_queue_wait), [this, volume_id, w, since] {
-    auto it = waiters_.find(volume_id);
-    if (it == waiters_.end()) return;
-    auto& q = it->second;
-    for (auto i = q.begin(); i != q.end(); ++i) {
-      if (*i != w) continue;
-      q.erase(i);
-      if (q.empty()) waiters_.erase(it);
-      w->done(absl::AbortedError(absl::StrCat("waited ", absl::FormatDuration(absl::Now() - since),
-                                              " for an operation on volume ", volume_id,
-                                              " (an RPC or a repair) that has not finished; retry")));
-      return;
-    }
-  });
-  queue.push_back(std::move(w));
-  return true;
+void VolumeManager::WithClaim(const std::string& volume_id, const std::string& target, const Req& req, Done done,
+                              void (VolumeManager::*method)(Claim, const Req&, Done)) {
+  if (!ready_) return done(absl::UnavailableError("fusekeeper is still reconciling volume state; retry"));
+  if (Claim now = claims_.TryAcquire(volume_id, target)) return (this->*method)(std::move(now), req, std::move(done));
+  auto answer = std::make_shared<Done>(std::move(done));  // by whichever comes: the turn or the refusal
+  claims_.Acquire(
+      volume_id, target,
+      [this, req, method, answer](Claim claim) { (this->*method)(std::move(claim), req, std::move(*answer)); },
+      [answer](absl::Status refused) { (*answer)(std::move(refused)); });
 }
 
 }  // namespace fusekeeper

@@ -195,6 +195,46 @@ TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
   EXPECT_EQ((*saved)[0].targets_size(), 2) << "each recorded its own target, neither undid the other's";
 }
 
+// Issue 18 item 2: a waiter whose turn comes and that is refused (an unstage of a volume that is
+// still published) must still pass the turn on. On the old code the publish of B behind it waited
+// out max_queue_wait and came back ABORTED while nothing ran on the volume.
+TEST_F(VolumeManagerTest, ARefusedWaiterPassesTheTurnOn) {
+  StartManager();
+  auto stage = StageReq("v");
+  auto staged = Stage(stage);
+  ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_TRUE(staged.get().ok());
+  auto publish = [&](const std::string& pod) {
+    csi::v1::NodePublishVolumeRequest r;
+    r.set_volume_id("v");
+    r.set_staging_target_path(stage.staging_target_path());
+    const std::string parent = root_.path() + "/kubelet/pods/" + pod + "/volumes/kubernetes.io~csi/v";
+    fs::create_directories(parent);
+    r.set_target_path(parent + "/mount");
+    *r.mutable_volume_capability() = MountCapability();
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&, r, p] { manager_->Publish(r, [p](absl::Status s) { p->set_value(s); }); });
+    return f;
+  };
+  auto release = HoldPool();
+  auto a = publish("a");  // holds a's claim; its work waits behind the hostage
+  csi::v1::NodeUnstageVolumeRequest unstage;
+  unstage.set_volume_id("v");
+  unstage.set_staging_target_path(stage.staging_target_path());
+  auto unstaged = std::make_shared<std::promise<absl::Status>>();
+  lt_.RunOnLoop([&] { manager_->Unstage(unstage, [unstaged](absl::Status s) { unstaged->set_value(s); }); });
+  auto b = publish("b");  // waits behind the unstage (which wants the whole volume)
+  release->set_value();
+  ASSERT_EQ(a.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(a.get().ok());
+  auto u = unstaged->get_future();
+  ASSERT_EQ(u.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(u.get().code(), absl::StatusCode::kFailedPrecondition) << "refused when its turn came: a is published";
+  ASSERT_EQ(b.wait_for(kTestDeadline), std::future_status::ready) << "the refused unstage never passed the turn on";
+  EXPECT_TRUE(b.get().ok());
+}
+
 // A rollback to an agent that does not know a newer agent's volume kind: the volume is left out
 // (and said so), its state file is kept for the newer agent, and everything else works.
 TEST_F(VolumeManagerTest, StateOfAKindThisAgentDoesNotKnowIsLeftAlone) {
