@@ -77,6 +77,13 @@ void FuseKind::OnServerGone(const std::string& volume_id, const std::string& pat
         --ep->second.gone_pending;
         const state::Volume* v = host_.Find(volume_id);
         if (v == nullptr) return;
+        if (ep->second.endpoint->serving()) {
+          // A server took the volume again within the grace (adopted, or given a fresh
+          // connection): the volume is fine, and a Warning now would say otherwise.
+          LOG(INFO) << "volume " << volume_id << ": its FUSE server is back within "
+                    << absl::FormatDuration(options_.server_gone_grace) << ": no Warning";
+          return;
+        }
         if (host_.AllPodsTerminating(*v)) {
           LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped while its pod is terminating: no Warning";
           return;

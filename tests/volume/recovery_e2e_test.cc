@@ -410,6 +410,27 @@ TEST_F(RecoveryE2ETest, ASidecarStoppedForPodDeletionIsNoWarningButACrashIs) {
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(live + "/hello.txt"); }).has_value());
 }
 
+// Issue 18 item 3: a server that dies and is back (serving) before the grace ends is no Warning;
+// the old code posted FuseServerNotConnected ~2 s after the volume had already recovered.
+TEST_F(RecoveryE2ETest, AServerBackWithinTheGraceIsNoWarning) {
+  StartAgent({"--server_gone_grace_ms=1000"});
+  const std::string target = Pod("pod-back", "back-1");
+  ASSERT_RPC_OK(PublishInline("back-1", "pod-back", target));
+  Subprocess* first = StartServer(PodSocket("pod-back"));
+  auto reader = PodReader(target, "hello.txt");
+  const std::string want = "hello from the export\n";
+  ASSERT_TRUE(reader->WaitForReadsOf(want)) << reader->setup_error() << first->Stderr();
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(WaitForAgentLog("volume back-1: the FUSE server")) << agent_->Stderr();
+  Subprocess* second = StartServer(PodSocket("pod-back"));
+  ASSERT_TRUE(reader->WaitForReadsOf(want)) << second->Stderr() << agent_->Stderr();
+  ASSERT_TRUE(WaitForAgentLog("volume back-1: its FUSE server is back within")) << agent_->Stderr();
+  EXPECT_EQ(AgentLogCount("FuseServerNotConnected"), 0) << agent_->Stderr();
+  reader->Stop();
+  ASSERT_RPC_OK(Unpublish("back-1", target));
+}
+
 TEST_F(RecoveryE2ETest, PodsWhoseContainersRecoveryCannotReachAreNamed) {
   FakeKube& kube = StartKube();
   // Pod "web" mounts an inline volume of ours and a claim bound to a PV of ours; container
