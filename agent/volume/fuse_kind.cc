@@ -277,7 +277,7 @@ KindJob FuseKind::Unstage(const state::Volume& v) {
 }
 
 void FuseKind::Stats(const state::Volume& v, const std::string& path, const std::string& mount_path,
-                     const state::MountIdentity& id, StatsDone done) {
+                     const PathMounts& mounts, StatsDone done) {
   // A FUSE mount whose server never connected would make statfs wait: say so instead.
   const std::string served_path = v.staging_path().empty() ? path : v.staging_path();
   auto ep = endpoints_.find(EndpointKey(v.volume_id(), served_path));
@@ -292,7 +292,7 @@ void FuseKind::Stats(const state::Volume& v, const std::string& path, const std:
     // Mounted by an earlier agent and possibly still served: ask the mount itself (under the
     // stats deadline), and say what is unknown if it does not answer.
     const std::string socket = v.fuse().socket_path();
-    return host_.Probe(path, mount_path, id, [socket, done = std::move(done)](StatsResult r) mutable {
+    return host_.Probe(path, mount_path, mounts, [socket, done = std::move(done)](StatsResult r) mutable {
       if (r.ok() && r->volume_condition().abnormal()) {
         r->mutable_volume_condition()->set_message(absl::StrCat(
             r->volume_condition().message(), " (the agent restarted, and no FUSE server has "
@@ -308,7 +308,7 @@ void FuseKind::Stats(const state::Volume& v, const std::string& path, const std:
         absl::StrCat("no FUSE server has connected to ", v.fuse().socket_path(), " yet"));
     return done(resp);
   }
-  host_.Probe(path, mount_path, id, std::move(done));
+  host_.Probe(path, mount_path, mounts, std::move(done));
 }
 
 void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,

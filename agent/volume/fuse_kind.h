@@ -69,7 +69,7 @@ class FuseKind final : public VolumeKind {
   KindJob Unpublish(const state::Volume& v, const state::Target& t) override;
   KindJob Unstage(const state::Volume& v) override;
   void Stats(const state::Volume& v, const std::string& path, const std::string& mount_path,
-             const state::MountIdentity& id, StatsDone done) override;
+             const PathMounts& mounts, StatsDone done) override;
 
   // Recovery (fuse_kind_recovery.cc).
   void Started() override;

@@ -123,10 +123,12 @@ void FuseKind::Verify(const std::string& volume_id, const std::string& how, absl
   check->volume_id = volume_id;
   check->how = how;
   check->since = since;
-  std::vector<std::pair<std::string, state::MountIdentity>> paths;
-  if (!v.staging_path().empty() && !v.staging_pending()) paths.emplace_back(v.staging_path(), v.staging_mount());
+  // Each path's top, and the base its containers follow: recovered means the top answers and
+  // lies where those containers see it (StatsBlocking).
+  std::vector<std::pair<std::string, PathMounts>> paths;
+  if (!v.staging_path().empty() && !v.staging_pending()) paths.emplace_back(v.staging_path(), MountsAt(v, v.staging_path()));
   for (const auto& t : v.targets()) {
-    if (!t.pending()) paths.emplace_back(t.path(), t.mount());
+    if (!t.pending()) paths.emplace_back(t.path(), MountsAt(v, t.path()));
   }
   check->left = check->total = static_cast<int>(paths.size());
   auto finish = [this, check] {
@@ -152,8 +154,8 @@ void FuseKind::Verify(const std::string& volume_id, const std::string& how, absl
     }
   };
   if (paths.empty()) return finish();
-  for (const auto& [path, id] : paths) {
-    host_.Probe(path, path, id, [check, path, finish](StatsResult r) mutable {
+  for (const auto& [path, mounts] : paths) {
+    host_.Probe(path, path, mounts, [check, path, finish](StatsResult r) mutable {
       if (!r.ok()) {
         check->failed.push_back(absl::StrCat(path, ": ", r.status().message()));
       } else if (r->volume_condition().abnormal()) {

@@ -206,6 +206,8 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   if (!stripped.ok()) return stripped.status();
   out.removed = stripped->removed;
   const bool on_base = stripped->at_base;
+  // The base as it is now, in this mount namespace (the record may be another namespace's).
+  if (on_base) base = IdentityOf(*stripped->top);
   auto target = ctx.kubelet->OpenPathBlocking(*rel);
   if (!target.ok()) return target.status();
   auto dev = OpenFuseDeviceBlocking();
@@ -272,6 +274,8 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
       return;
     }
     if (stripped->removed > 1) o.stacked_removed += stripped->removed - 1;
+    // The base as it is now, in this mount namespace (the record may be another namespace's).
+    if (stripped->at_base) base = IdentityOf(*stripped->top);
     std::optional<sys::MountFacts> top = std::move(stripped->top);
     if (!stripped->live) {
       // Stack a bind of the live global mount on the base (or, if the target lost every mount,

@@ -113,6 +113,41 @@ void AbortConnectionsAtBlocking(const KubeletDir& kubelet, const std::string& pa
   }
 }
 
+bool ReidentifyBlocking(const KubeletDir& kubelet, const std::string& path, state::MountIdentity* top,
+                        state::MountIdentity* base) {
+  auto layers = LayersAtBlocking(kubelet, path);  // top first
+  if (!layers.ok()) {
+    LOG(WARNING) << "cannot look at the mounts at " << path << " (" << layers.status()
+                 << "); their recorded ids are dropped";
+  }
+  const std::vector<sys::MountFacts> none;
+  const std::vector<sys::MountFacts>& at = layers.ok() ? *layers : none;
+  auto same = [](const sys::MountFacts& f, const state::MountIdentity& id) {
+    return SameDev(f, id) && f.root == id.root();
+  };
+  bool changed = false;
+  auto set = [&changed](state::MountIdentity* id, uint64_t unique_id) {
+    if (id->unique_id() == unique_id) return;
+    id->set_unique_id(unique_id);
+    changed = true;
+  };
+  state::MountIdentity* lowest = base != nullptr ? base : top;
+  int base_index = -1;
+  for (int i = static_cast<int>(at.size()) - 1; i >= 0 && base_index < 0; --i) {
+    if (same(at[i], *lowest)) base_index = i;
+  }
+  set(lowest, base_index >= 0 ? at[base_index].mnt_id : 0);
+  if (base != nullptr) {
+    const int above = base_index >= 0 ? base_index : static_cast<int>(at.size());
+    int top_index = -1;
+    for (int i = 0; i < above && top_index < 0; ++i) {
+      if (same(at[i], *top)) top_index = i;
+    }
+    set(top, top_index >= 0 ? at[top_index].mnt_id : 0);
+  }
+  return changed;
+}
+
 absl::StatusOr<Stripped> StripToBaseBlocking(const KubeletDir& kubelet, const std::string& path,
                                              const state::MountIdentity& base,
                                              const std::optional<state::MountIdentity>& live) {
@@ -125,15 +160,26 @@ absl::StatusOr<Stripped> StripToBaseBlocking(const KubeletDir& kubelet, const st
   Stripped out;
   for (int k = 0; k <= kMaxMountLayers; ++k) {
     // Looked up afresh each time, with no fd kept open on the mount (it would pin it: EBUSY).
-    auto top = TopOfBlocking(kubelet, path);
-    if (!top.ok()) return top.status();
-    out.top = std::move(*top);
-    if (!out.top.has_value()) return out;
+    auto layers = LayersAtBlocking(kubelet, path);
+    if (!layers.ok()) return layers.status();
+    if (layers->empty()) {
+      out.top.reset();
+      return out;
+    }
+    out.top = layers->front();
     if (live.has_value() && SameDev(*out.top, *live)) {
       out.live = true;
       return out;
     }
-    if (IsMount(*out.top, base)) {
+    // By device and root, not by id: an id is only good in the namespace that recorded it.
+    if (SameDev(*out.top, base) && out.top->root == base.root()) {
+      out.at_base = true;
+      return out;
+    }
+    if (layers->size() == 1) {
+      LOG(WARNING) << "the lowest mount at " << path << " (" << out.top->fs_type << " " << out.top->dev_major << ":"
+                   << out.top->dev_minor << ") is not the recorded base (" << base.dev_major() << ":"
+                   << base.dev_minor() << "); it is kept as the base: running containers may follow it";
       out.at_base = true;
       return out;
     }

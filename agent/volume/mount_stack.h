@@ -49,6 +49,18 @@ bool IsMount(const sys::MountFacts& f, const state::MountIdentity& id);
 // it says yes.
 bool VisibleThroughBase(const sys::MountFacts& top, const state::MountIdentity& base);
 
+// Mount ids (statx's STATX_MNT_ID_UNIQUE, statmount's mnt_id and parent id) belong to one mount
+// namespace: every mount copied into a new namespace gets a new id. The agent's container is a
+// new mount namespace at each restart (every DaemonSet rollout), so ids saved by an earlier agent
+// mean nothing to this one. What survives a namespace copy is the device, the root and the
+// position in the path's stack. ReidentifyBlocking gives the recorded identities of `path` the
+// ids of this namespace: `base` is the lowest layer with its device and root, `top` (when it is
+// a layer of its own, i.e. `base` is not null) the highest one above it. An identity not found
+// at the path gets id 0 (unknown: comparisons then use device and root only). Returns whether
+// anything changed.
+bool ReidentifyBlocking(const KubeletDir& kubelet, const std::string& path, state::MountIdentity* top,
+                        state::MountIdentity* base);
+
 // What is mounted on top of `path` (nullopt: nothing, or the path itself is gone).
 absl::StatusOr<std::optional<sys::MountFacts>> TopOfBlocking(const KubeletDir& kubelet, const std::string& path);
 
@@ -70,9 +82,12 @@ struct Stripped {
 };
 
 // Unmounts dead layers from the top of `path` until its top is on the live connection (same
-// device as `live`, if given) or is `base`. Only FUSE mounts are removed: anything else on top is left
-// alone and reported (FAILED_PRECONDITION), as is a stack deeper than kMaxMountLayers. Neither
-// live nor base found (the path is not mounted): both flags false.
+// device as `live`, if given) or is the base. The base is `base` by device and root, or, whatever
+// the records say, the lowest mount at the path: running containers may hold copies of it, and
+// nothing proves it dead, so it is never removed (at_base; `top` then says what it is). Only
+// FUSE mounts are removed: anything else on top is left alone and reported
+// (FAILED_PRECONDITION), as is a stack deeper than kMaxMountLayers. Nothing mounted at the path:
+// both flags false.
 absl::StatusOr<Stripped> StripToBaseBlocking(const KubeletDir& kubelet, const std::string& path,
                                              const state::MountIdentity& base,
                                              const std::optional<state::MountIdentity>& live);

@@ -15,8 +15,8 @@ KindJob StateJob(std::string reason, absl::AnyInvocable<absl::StatusOr<std::opti
 }
 
 void VolumeKind::Stats(const state::Volume&, const std::string& path, const std::string& mount_path,
-                       const state::MountIdentity& id, StatsDone done) {
-  host_.Probe(path, mount_path, id, std::move(done));
+                       const PathMounts& mounts, StatsDone done) {
+  host_.Probe(path, mount_path, mounts, std::move(done));
 }
 
 void VolumeKind::Count(const state::Volume&, VolumeCounts* counts) const {

@@ -70,9 +70,10 @@ class VolumeHost {
   // Runs `job` under `claim`, records the state its adopt returns, ends the claim and passes the
   // outcome to `done` (on the loop; may be empty).
   virtual void RunClaimed(ClaimQueue::Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done) = 0;
-  // statfs of the mount at `mount_path` (which must be `id`) on the probe pool, answered within
-  // the stats deadline: abnormal if it does not answer. `path` names it in messages.
-  virtual void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,
+  // statfs of the mount at `mount_path` (which must be `mounts.top`, on `mounts.base`) on the
+  // probe pool, answered within the stats deadline: abnormal if it does not answer. `path` names
+  // it in messages.
+  virtual void Probe(const std::string& path, const std::string& mount_path, const PathMounts& mounts,
                      StatsDone done) = 0;
   // A Kubernetes Event for every pod the volume is published to (and a log line).
   virtual void Event(const state::Volume& v, const std::string& type, const std::string& reason,
@@ -131,10 +132,10 @@ class VolumeKind {
   virtual KindJob Unpublish(const state::Volume& v, const state::Target& t) = 0;
   // Unstages `v`, which has no targets left.
   virtual KindJob Unstage(const state::Volume& v) = 0;
-  // NodeGetVolumeStats of the mount at `path` (at `mount_path`, recorded as `id`). The default
-  // probes it through the host.
+  // NodeGetVolumeStats of the mount at `path` (at `mount_path`, recorded as `mounts`). The
+  // default probes it through the host.
   virtual void Stats(const state::Volume& v, const std::string& path, const std::string& mount_path,
-                     const state::MountIdentity& id, StatsDone done);
+                     const PathMounts& mounts, StatsDone done);
 
   // --- Recovery; the defaults do nothing. ---
   // After start-up reconciled the saved state.

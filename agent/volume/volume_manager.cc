@@ -88,19 +88,34 @@ void VolumeManager::Start(Done done) {
               Reconcile(std::move(known), **table,
                         [this](const std::string& p) { return kubelet_.MountTablePath(p); });
           for (const auto& note : outcome.notes) LOG(INFO) << "reconcile: " << note;
-          for (auto& v : outcome.volumes) volumes_[v.volume_id()] = v;
           auto save = std::make_shared<ReconcileOutcome>(std::move(outcome));
           absl::Status sub = pool_.Submit(
-              "save reconciled state",
+              "re-identify mounts, save reconciled state",
               [this, save] {
-                for (const auto& v : save->save) {
+                // This agent may run in another mount namespace than the one that recorded the
+                // mount ids (a container restart): every id is looked up again (mount_stack.h).
+                std::set<std::string> changed;
+                for (const auto& v : save->save) changed.insert(v.volume_id());
+                int reidentified = 0;
+                for (auto& v : save->volumes) {
+                  if (ReidentifyVolumeBlocking(ctx_, &v)) {
+                    changed.insert(v.volume_id());
+                    ++reidentified;
+                  }
+                }
+                if (reidentified > 0) {
+                  LOG(INFO) << "mount ids of " << reidentified << " volume(s) looked up again in this mount namespace";
+                }
+                for (const auto& v : save->volumes) {
+                  if (changed.count(v.volume_id()) == 0) continue;
                   if (auto s = store_.SaveBlocking(v); !s.ok()) LOG(ERROR) << s;
                 }
                 for (const auto& id : save->remove) {
                   if (auto s = store_.RemoveBlocking(id); !s.ok()) LOG(ERROR) << s;
                 }
               },
-              [this, done = std::move(done)](absl::Status s) mutable {
+              [this, save, done = std::move(done)](absl::Status s) mutable {
+                for (auto& v : save->volumes) volumes_[v.volume_id()] = std::move(v);
                 ready_ = s.ok();
                 LOG(INFO) << "volume state reconciled: " << volumes_.size() << " volumes";
                 if (ready_) {
@@ -475,24 +490,24 @@ void VolumeManager::Stats(const csi::v1::NodeGetVolumeStatsRequest& req, StatsDo
   }
   const state::Volume& v = it->second;
   const std::string& path = req.volume_path();
-  state::MountIdentity id;
+  PathMounts mounts;
   std::string mount_path = path;
   bool found = false;
   for (const auto& t : v.targets()) {
     if (t.path() == path && !t.pending()) {
-      id = t.mount();
+      mounts = {t.mount(), TargetBase(t)};
       found = true;
     }
   }
   if (!found && path == v.staging_path() && !v.staging_pending()) {
-    id = v.staging_mount();
+    mounts = {v.staging_mount(), StagingBase(v)};
     mount_path = StagingMountPath(v);
     found = true;
   }
   if (!found) {
     return done(absl::NotFoundError(absl::StrCat("volume ", req.volume_id(), " is not mounted at ", path)));
   }
-  KindOf(v).Stats(v, path, mount_path, id, std::move(done));
+  KindOf(v).Stats(v, path, mount_path, mounts, std::move(done));
 }
 
 void VolumeManager::Event(const state::Volume& v, const std::string& type, const std::string& reason,
@@ -615,7 +630,7 @@ const state::Target* VolumeManager::FindTargetOwner(const std::string& path, std
 }
 
 void VolumeManager::Probe(const std::string& path, const std::string& mount_path,
-                          const state::MountIdentity& id, StatsDone done) {
+                          const PathMounts& mounts, StatsDone done) {
   auto outstanding = probes_outstanding_.find(mount_path);
   if (outstanding != probes_outstanding_.end()) {
     if (!outstanding->second->answered) {
@@ -648,7 +663,7 @@ void VolumeManager::Probe(const std::string& path, const std::string& mount_path
   probes_outstanding_[mount_path] = race;
   absl::Status s = probe_pool_->Submit(
       "statfs probe",
-      [ctx = ctx_, race, mount_path, id] { race->result = StatsBlocking(ctx, mount_path, id); },
+      [ctx = ctx_, race, mount_path, mounts] { race->result = StatsBlocking(ctx, mount_path, mounts); },
       [this, race, mount_path](absl::Status ran) {
         probes_outstanding_.erase(mount_path);
         if (race->answered) return;  // the deadline answered already

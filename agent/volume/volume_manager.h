@@ -144,7 +144,7 @@ class VolumeManager final : public VolumeHost {
   bool Busy(const std::string& volume_id) const override;
   ClaimQueue::Claim TryClaim(const std::string& volume_id) override;
   void RunClaimed(ClaimQueue::Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done) override;
-  void Probe(const std::string& path, const std::string& mount_path, const state::MountIdentity& id,
+  void Probe(const std::string& path, const std::string& mount_path, const PathMounts& mounts,
              StatsDone done) override;
   void Event(const state::Volume& v, const std::string& type, const std::string& reason,
              const std::string& message) override;

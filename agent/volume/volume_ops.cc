@@ -12,6 +12,7 @@
 #include "agent/paths/host_path.h"
 #include "agent/sys/syscalls.h"
 #include "agent/volume/mount_stack.h"
+#include "agent/volume/reconcile.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -384,7 +385,7 @@ absl::Status ForgetUnknownPathBlocking(const VolumeOpsContext& ctx, const std::s
 
 absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOpsContext& ctx,
                                                                   const std::string& path,
-                                                                  const state::MountIdentity& id) {
+                                                                  const PathMounts& mounts) {
   csi::v1::NodeGetVolumeStatsResponse resp;
   auto rel = Rel(ctx, path);
   if (!rel.ok()) return rel.status();
@@ -396,11 +397,17 @@ absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOp
   }
   auto facts = LookupMountAtBlocking(fd->get(), Abs(ctx, *rel));
   if (!facts.ok()) return facts.status();
-  if (!MountMatches(*facts, id)) {
+  if (!MountMatches(*facts, mounts.top)) {
     resp.mutable_volume_condition()->set_abnormal(true);
     resp.mutable_volume_condition()->set_message(
         facts->has_value() ? absl::StrCat(path, " has a different mount on it (", (*facts)->fs_type, ")")
                            : absl::StrCat(path, " is not mounted any more"));
+    return resp;
+  }
+  if (!VisibleThroughBase(**facts, mounts.base)) {
+    resp.mutable_volume_condition()->set_abnormal(true);
+    resp.mutable_volume_condition()->set_message(absl::StrCat(
+        path, " is served by a mount that is not on the one running containers follow: they do not see it"));
     return resp;
   }
   struct statfs sf;
@@ -424,6 +431,19 @@ absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOp
   resp.mutable_volume_condition()->set_abnormal(false);
   resp.mutable_volume_condition()->set_message("mounted");
   return resp;
+}
+
+bool ReidentifyVolumeBlocking(const VolumeOpsContext& ctx, state::Volume* v) {
+  bool changed = false;
+  if (!v->staging_path().empty() && !v->staging_pending()) {
+    changed |= ReidentifyBlocking(*ctx.kubelet, StagingMountPath(*v), v->mutable_staging_mount(),
+                                  v->has_staging_base() ? v->mutable_staging_base() : nullptr);
+  }
+  for (auto& t : *v->mutable_targets()) {
+    if (t.pending()) continue;
+    changed |= ReidentifyBlocking(*ctx.kubelet, t.path(), t.mutable_mount(), t.has_base() ? t.mutable_base() : nullptr);
+  }
+  return changed;
 }
 
 }  // namespace fusekeeper

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "agent/mount/mount_ops.h"
 #include "agent/paths/kubelet_dir.h"
+#include "agent/volume/mount_stack.h"
 #include "agent/volume/state_store.h"
 #include "proto/csi.pb.h"
 #include "proto/state.pb.h"
@@ -60,10 +61,16 @@ absl::Status UnstageBlocking(const VolumeOpsContext& ctx, const state::Volume& v
 absl::Status ForgetUnknownPathBlocking(const VolumeOpsContext& ctx, const std::string& path,
                                        const std::string& volume_id, bool remove_dir);
 
-// Bytes and inodes of the mount at `path`, which must be the mount `id` describes; a missing or
-// foreign mount is reported as an abnormal condition, not an error.
+// Bytes and inodes of the mount at `path`, which must be the recorded top `mounts.top` and lie
+// where running containers see it (the base itself, or stacked on it: VisibleThroughBase); a
+// missing, foreign or unreachable mount is reported as an abnormal condition, not an error.
 absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOpsContext& ctx,
                                                                   const std::string& path,
-                                                                  const state::MountIdentity& id);
+                                                                  const PathMounts& mounts);
+
+// After a start-up: gives every recorded mount identity of `v` (staging and targets, top and
+// base) the ids of this agent's mount namespace (ReidentifyBlocking; a restarted agent's
+// container is a new namespace). Returns whether anything changed.
+bool ReidentifyVolumeBlocking(const VolumeOpsContext& ctx, state::Volume* v);
 
 }  // namespace fusekeeper
