@@ -208,7 +208,11 @@ void HandoffEndpoint::ArmAbortWatch() {
           aborted_ = true;
           serving_ = false;
           serving_connection_ = nullptr;  // its server's end, when it reports it, is no news
-          LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
+          if (abort_expected_) {
+            LOG(INFO) << "volume " << config_.volume_id << ": the agent aborted its old FUSE connection";
+          } else {
+            LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
+          }
           if (events_.on_connection_aborted) events_.on_connection_aborted();
         } else if (res >= 0 && !stopped_) {
           ArmAbortWatch();  // woken without an error: keep watching
@@ -232,6 +236,7 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
   }
   fuse_fd_ = std::move(fuse_fd);
   aborted_ = false;
+  abort_expected_ = false;
   restored_ = false;
   served_ = false;
   serving_ = false;

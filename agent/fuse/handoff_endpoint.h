@@ -88,6 +88,11 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // from now on and offered, not live, to parked servers and the next ones to connect.
   void ReplaceConnection(UniqueFd fuse_fd);
 
+  // Loop thread. The agent itself is about to abort the kept connection (a repair replacing a
+  // dead one, a handoff timeout): when the abort is seen it is logged as that act, not warned
+  // about as news. Until the next ReplaceConnection.
+  void ExpectAbort() { abort_expected_ = true; }
+
   // Some server has taken the volume since the connection was (re)made.
   bool served() const { return served_; }
   // A server is serving right now.
@@ -158,6 +163,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   bool server_gone_ = false;
   bool serving_ = false;
   bool aborted_ = false;
+  bool abort_expected_ = false;
   bool restored_ = false;
   int adoptions_ = 0;
   int redeposits_ = 0;

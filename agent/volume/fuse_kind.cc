@@ -395,6 +395,7 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
   // container being created stats its mounts) fails fast with ENOTCONN, and the endpoint keeps
   // listening: a server that connects later gets a fresh connection stacked on this mount.
   ep->second.gave_up = true;
+  ep->second.endpoint->ExpectAbort();
   const std::string message = absl::StrCat(
       "no FUSE server connected to ", v->fuse().socket_path(), " within ", absl::FormatDuration(options_.handoff_timeout),
       "; the mount now fails fast (ENOTCONN) until one does. Check that the server (sidecar or node-level) runs as uid ",

@@ -201,6 +201,8 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
     if (ep->second.recovering_since == absl::InfinitePast()) ep->second.recovering_since = since;
     since = ep->second.recovering_since;
     ep->second.recovering_how = "fresh connection";
+    // The job aborts the old connection first (RemountFuseBlocking): our own act.
+    ep->second.endpoint->ExpectAbort();
   }
   host_.Event(*v, "Warning", "FuseServerNotConnected",
               absl::StrCat("volume ", volume_id, ": ", why, "; mounting a fresh connection"));

@@ -79,7 +79,9 @@ absl::StatusOr<StateStore> StateStore::Open(const std::string& dir, absl::Durati
     char pid[32] = {};
     const ssize_t n = pread(lock.get(), pid, sizeof(pid) - 1, 0);
     return absl::FailedPreconditionError(absl::StrCat(
-        "another fusekeeper agent", n > 0 ? absl::StrCat(" (pid ", absl::StripAsciiWhitespace(pid), ")") : "",
+        // A pid means something only in the pid namespace of the agent that wrote it (another
+        // container's, perhaps): it is given as what that agent said, not as a pid to act on.
+        "another fusekeeper agent", n > 0 ? absl::StrCat(" (pid ", absl::StripAsciiWhitespace(pid), " in its own pid namespace)") : "",
         " holds ", lock_path, ": only one agent may use a state dir"));
   }
   const std::string me = absl::StrCat(getpid(), "\n");

@@ -144,7 +144,7 @@ TEST(AgentProcessTest, RefusesToStartWhileAnotherAgentServes) {
   Subprocess third(AgentCmd(dir, {"--endpoint=unix://" + dir.path() + "/other.sock", "--node_id=n",
                                   "--state_lock_wait_ms=0"}));
   EXPECT_EQ(ExitCode(third.Wait(kExitDeadline)), 4);
-  EXPECT_NE(third.Stderr().find("another fusekeeper agent (pid " + std::to_string(first.pid()) + ") holds"),
+  EXPECT_NE(third.Stderr().find("another fusekeeper agent (pid " + std::to_string(first.pid()) + " in its own pid namespace) holds"),
             std::string::npos)
       << third.Stderr();
   EXPECT_EQ(access(in_flight.c_str(), F_OK), 0) << "the refused agent removed the running one's temp file";

@@ -245,6 +245,56 @@ else:
                 problems.append(f"the webhook's service account {sa} needs {verb} on mutatingwebhookconfigurations "
                                 f"limited to resourceNames [{cfg_name}]")
 
+
+
+def stops_when_asked(script):
+    """Runs `sh -c script` as PID 1 of a pid namespace, as a container's command runs, and asks it
+    to stop as kubelet does (SIGTERM). PID 1 ignores signals it has no handler for, so a shell
+    that does not trap TERM waits out the pod's whole grace period (30 s) on every deletion.
+    Returns what is wrong, or None."""
+    import signal
+    import time
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child=SIGKILL", "sh", "-c", script],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        child, caught = None, False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not caught:  # waits for the shell's trap, bounded
+            try:
+                kids = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+                child = int(kids[0]) if kids else None
+                if child:
+                    status = open(f"/proc/{child}/status").read()
+                    caught = bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16) &
+                                  (1 << (signal.SIGTERM - 1)))
+            except (OSError, AttributeError):
+                pass
+            if not caught:
+                time.sleep(0.01)
+        if not caught:
+            return "its shell, PID 1 in its container, ignores SIGTERM: deleting the pod waits out the grace period"
+        os.kill(child, signal.SIGTERM)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return "it does not stop within 10 s of SIGTERM"
+        return None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+for path, d in docs:
+    if "/examples/" not in path or d.get("kind") != "Pod":
+        continue
+    for c in containers(d["spec"]):
+        cmd = c.get("command", [])
+        if len(cmd) == 3 and cmd[:2] == ["sh", "-c"]:
+            why = stops_when_asked(cmd[2])
+            if why:
+                problems.append(f"{path}: container {c['name']}: {why}")
+
 if problems:
     print("\n".join(problems))
     sys.exit(1)

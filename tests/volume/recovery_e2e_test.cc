@@ -197,6 +197,8 @@ TEST_F(RecoveryE2ETest, ServerThatCannotAdoptGetsAFreshConnectionThatRunningCont
   EXPECT_EQ(MountCountAt(t2), 2);
   ASSERT_TRUE(WaitForAgentLog("MountRecovered")) << agent_->Stderr();
   EXPECT_NE(second->Stderr().find("asking for a fresh one"), std::string::npos);
+  // Issue 18 item 4: replacing the dead connection is the agent's own act, not a Warning.
+  EXPECT_EQ(AgentLogCount("its FUSE connection was aborted"), 0) << agent_->Stderr();
   // Unpublish and unstage still work on the repaired volume, and remove every layer.
   p1->Stop();
   p1b->Stop();
