@@ -9,7 +9,6 @@
 #pragma once
 
 #include <atomic>
-#include <deque>
 #include <map>
 #include <optional>
 #include <set>
