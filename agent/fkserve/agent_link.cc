@@ -1,5 +1,8 @@
 #include "agent/fkserve/agent_link.h"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <errno.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -41,7 +44,16 @@ AgentLink::~AgentLink() {
   if (thread_.joinable()) thread_.join();
 }
 
-void AgentLink::Start() { thread_ = std::thread([this] { Run(); }); }
+void AgentLink::Start() {
+  // Stop signals (SIGTERM from kubelet) go to the serving thread, whose blocking read they must
+  // interrupt: the link's thread never takes them (it inherits this mask).
+  sigset_t stop, old;
+  sigemptyset(&stop);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
+  pthread_sigmask(SIG_BLOCK, &stop, &old);
+  thread_ = std::thread([this] { Run(); });
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+}
 
 void AgentLink::Report(bool ok, const std::string& error) {
   stopping_ = true;

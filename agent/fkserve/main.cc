@@ -13,6 +13,7 @@
 // launch: the program's own status (127 if it could not be started).
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -42,6 +43,24 @@ DEFINE_string(ready_file, "",
               "containers start only after the handoff");
 
 namespace {
+
+// Until a mode installs its own: PID 1 of a container ignores signals it has no handler for, so
+// without these kubelet's SIGTERM would be waited out for the pod's whole grace period.
+void ExitOnStopSignal(int sig) { _exit(128 + sig); }
+
+volatile pid_t launched_child = 0;
+// launch: the program is the one to stop; fkserve follows it out with its status.
+void ForwardStopSignal(int sig) {
+  if (launched_child > 0) kill(launched_child, sig);
+}
+
+void HandleStopSignals(void (*handler)(int)) {
+  struct sigaction sa {};
+  sa.sa_handler = handler;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaction(sig, &sa, nullptr);
+}
 
 using fusekeeper::UniqueFd;
 
@@ -103,6 +122,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const std::vector<std::string>& p
     (void)!write(p[1], &err, sizeof(err));
     _exit(127);
   }
+  launched_child = child;
+  HandleStopSignals(ForwardStopSignal);
   close(p[1]);
   close(inherit);
   // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
@@ -164,6 +185,7 @@ int main(int argc, char** argv) {
       "fkserve --socket=<handoff socket> launch -- <program> [args with {fd}]\n"
       "fkserve --ready_file=<file> ready   (a startupProbe: 0 once serving)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
+  HandleStopSignals(ExitOnStopSignal);
   if (mode.empty()) return Fail(2, gflags::ProgramUsage());
   if (mode == "ready") {
     if (FLAGS_ready_file.empty()) return Fail(2, "ready needs --ready_file");

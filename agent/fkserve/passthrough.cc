@@ -666,7 +666,11 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
     fuse_session_destroy(se);
     return absl::InternalError("fuse_session_custom_io failed");
   }
+  // SIGTERM (kubelet stopping the container), SIGINT and SIGHUP end the loop cleanly. They need
+  // handlers: as PID 1 of a container the server would ignore them otherwise.
+  const bool handlers = fuse_set_signal_handlers(se) == 0;
   int r = fuse_session_loop(se);
+  if (handlers) fuse_remove_signal_handlers(se);
   fuse_session_destroy(se);
   // The loop ends with 0 on a clean unmount; ENODEV (connection gone) is also a normal end.
   if (r != 0 && r != -ENODEV && r != ENODEV) {

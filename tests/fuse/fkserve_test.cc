@@ -69,7 +69,7 @@ class FkserveTest : public ::testing::Test {
                                          std::move(events));
     });
   }
-  void StartServer(std::vector<std::string> args, uid_t uid = 0) {
+  void StartServer(std::vector<std::string> args, uid_t uid = 0, std::vector<std::string> prefix = {}) {
     std::string binary = RunfilePath("agent/fkserve/fkserve");
     if (uid != 0) {
       // Bazel's runfiles live under /root (0700): give the unprivileged server a copy it can run.
@@ -79,7 +79,9 @@ class FkserveTest : public ::testing::Test {
                                 fs::perms::group_read | fs::perms::others_read);
       binary = copy;
     }
-    std::vector<std::string> cmd = {binary, "--socket=" + sockdir_ + "/s"};
+    std::vector<std::string> cmd = prefix;
+    cmd.push_back(binary);
+    cmd.push_back("--socket=" + sockdir_ + "/s");
     cmd.insert(cmd.end(), args.begin(), args.end());
     std::function<void()> drop;
     if (uid != 0) {
@@ -176,6 +178,40 @@ TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
   ASSERT_EQ(umount2(mnt_.c_str(), 0), 0);
   lt_.RunOnLoop([&] { endpoint_->Stop(); });
   EXPECT_EQ(ServerExit(), 0) << "the program's exit status is fkserve's: " << server_->Stderr();
+}
+
+// In its container fkserve is PID 1, which ignores any signal it has no handler for: without
+// handlers kubelet's SIGTERM was waited out for the whole grace period (30 s) at every pod
+// deletion (issue 18 item 4). Here it runs as PID 1 of a pid namespace of its own.
+TEST_F(FkserveTest, AsPidOneItStopsWhenAskedInServeAndLaunchMode) {
+  const std::vector<std::string> pid_one = {"/usr/bin/unshare", "--pid", "--fork", "--kill-child=SIGKILL"};
+  struct Mode {
+    const char* name;
+    std::vector<std::string> args;
+  };
+  const Mode modes[] = {
+      {"serve", {"serve", "--root=" + export_}},
+      {"launch", {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "launched\n"}},
+  };
+  for (const Mode& m : modes) {
+    served_ = std::promise<void>();
+    gone_ = std::promise<absl::Status>();
+    MountAndOffer({.volume_id = std::string("v-term-") + m.name});
+    StartServer(m.args, 0, pid_one);
+    ASSERT_TRUE(WaitServed()) << m.name << ": " << server_->Stderr();
+    // fkserve is the only child of unshare.
+    std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                           "/children");
+    pid_t fkserve = 0;
+    children >> fkserve;
+    ASSERT_GT(fkserve, 0) << m.name;
+    ASSERT_EQ(kill(fkserve, SIGTERM), 0);
+    auto st = server_->Wait(std::chrono::milliseconds(std::chrono::milliseconds(kTestDeadline)));
+    ASSERT_TRUE(st.has_value()) << m.name << ": fkserve as PID 1 ignored SIGTERM\n" << server_->Stderr();
+    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    endpoint_.reset();
+  }
 }
 
 TEST_F(FkserveTest, ALaunchedProgramsExitStatusReachesTheAgent) {
