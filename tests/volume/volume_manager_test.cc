@@ -68,6 +68,20 @@ class VolumeManagerTest : public ::testing::Test {
     lt_.RunOnLoop([&, p] { manager_->Stage(r, [p](absl::Status s) { p->set_value(s); }); });
     return f;
   }
+  // Calls Publish on the loop for pod `pod`'s target of staged volume v; returns a future of its result.
+  std::future<absl::Status> PublishStaged(const csi::v1::NodeStageVolumeRequest& stage, const std::string& pod) {
+    csi::v1::NodePublishVolumeRequest r;
+    r.set_volume_id("v");
+    r.set_staging_target_path(stage.staging_target_path());
+    const std::string parent = root_.path() + "/kubelet/pods/" + pod + "/volumes/kubernetes.io~csi/v";
+    fs::create_directories(parent);
+    r.set_target_path(parent + "/mount");
+    *r.mutable_volume_capability() = MountCapability();
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&, r, p] { manager_->Publish(r, [p](absl::Status s) { p->set_value(s); }); });
+    return f;
+  }
   // Occupies the only thread of `pool` (the mount pool by default) until the returned promise is
   // fulfilled.
   std::shared_ptr<std::promise<void>> HoldPool(BlockingPool* pool = nullptr) {
@@ -155,19 +169,7 @@ TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
   auto staged = Stage(stage);
   ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
   ASSERT_TRUE(staged.get().ok());
-  auto publish = [&](const std::string& pod) {
-    csi::v1::NodePublishVolumeRequest r;
-    r.set_volume_id("v");
-    r.set_staging_target_path(stage.staging_target_path());
-    const std::string parent = root_.path() + "/kubelet/pods/" + pod + "/volumes/kubernetes.io~csi/v";
-    fs::create_directories(parent);
-    r.set_target_path(parent + "/mount");
-    *r.mutable_volume_capability() = MountCapability();
-    auto p = std::make_shared<std::promise<absl::Status>>();
-    auto f = p->get_future();
-    lt_.RunOnLoop([&, r, p] { manager_->Publish(r, [p](absl::Status s) { p->set_value(s); }); });
-    return f;
-  };
+  auto publish = [&](const std::string& pod) { return PublishStaged(stage, pod); };
   auto release = HoldPool();
   auto a = publish("a");
   auto b = publish("b");
@@ -204,19 +206,7 @@ TEST_F(VolumeManagerTest, ARefusedWaiterPassesTheTurnOn) {
   auto staged = Stage(stage);
   ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
   ASSERT_TRUE(staged.get().ok());
-  auto publish = [&](const std::string& pod) {
-    csi::v1::NodePublishVolumeRequest r;
-    r.set_volume_id("v");
-    r.set_staging_target_path(stage.staging_target_path());
-    const std::string parent = root_.path() + "/kubelet/pods/" + pod + "/volumes/kubernetes.io~csi/v";
-    fs::create_directories(parent);
-    r.set_target_path(parent + "/mount");
-    *r.mutable_volume_capability() = MountCapability();
-    auto p = std::make_shared<std::promise<absl::Status>>();
-    auto f = p->get_future();
-    lt_.RunOnLoop([&, r, p] { manager_->Publish(r, [p](absl::Status s) { p->set_value(s); }); });
-    return f;
-  };
+  auto publish = [&](const std::string& pod) { return PublishStaged(stage, pod); };
   auto release = HoldPool();
   auto a = publish("a");  // holds a's claim; its work waits behind the hostage
   csi::v1::NodeUnstageVolumeRequest unstage;
