@@ -32,6 +32,17 @@ HandoffReply Named(HandoffReply r) {
 
 std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
 
+void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh, const std::string& init) {
+  HandoffReply r;
+  r.ok = ok;
+  r.error = error;
+  r.fresh = fresh;
+  r.init = init;
+  r.server = ServerName();
+  auto s = SendHandoffMessage(sock, EncodeHandoffReply(r), -1);
+  if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
+}
+
 AgentLink::AgentLink(UniqueFd sock, UniqueFd fuse_dup, std::string init, std::string socket_path, uid_t agent_uid)
     : init_(std::move(init)),
       socket_path_(std::move(socket_path)),

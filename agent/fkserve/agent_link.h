@@ -21,6 +21,10 @@ namespace fusekeeper {
 // How fkserve names itself in its replies ("fkserve <version>").
 std::string ServerName();
 
+// Answers the agent's handoff on `sock` (blocking); a failure to reply is printed, and changes
+// nothing that follows.
+void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "");
+
 class AgentLink {
  public:
   // `sock`: the handoff connection the volume was received on; `fuse_dup`: a dup of the

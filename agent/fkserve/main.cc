@@ -13,6 +13,7 @@
 // launch: the program's own status (127 if it could not be started).
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -29,6 +30,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
+#include "agent/fkserve/fusermount.h"
+#include "agent/fkserve/launcher.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/version.h"
@@ -37,6 +40,12 @@
 DEFINE_string(socket, "", "the volume's handoff socket (from the agent)");
 DEFINE_string(root, "", "serve: the directory to export");
 DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused");
+DEFINE_string(work_dir, "",
+              "launch: where the launcher makes its private directory (the program's mount point, "
+              "fkserve's fusermount); default $TMPDIR, /tmp, else the socket's directory");
+DEFINE_string(preload, "auto",
+              "launch: libfkserve_preload.so, preloaded into the program so that libfuse finds fkserve's "
+              "fusermount (auto: next to fkserve; empty: none)");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "
@@ -47,12 +56,6 @@ namespace {
 // Until a mode installs its own: PID 1 of a container ignores signals it has no handler for, so
 // without these kubelet's SIGTERM would be waited out for the pod's whole grace period.
 void ExitOnStopSignal(int sig) { _exit(128 + sig); }
-
-volatile pid_t launched_child = 0;
-// launch: the program is the one to stop; fkserve follows it out with its status.
-void ForwardStopSignal(int sig) {
-  if (launched_child > 0) kill(launched_child, sig);
-}
 
 void HandleStopSignals(void (*handler)(int)) {
   struct sigaction sa {};
@@ -84,83 +87,6 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
-// Replies to the agent; failures to reply are reported but do not change what happens next.
-void Reply(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "") {
-  fusekeeper::HandoffReply r;
-  r.ok = ok;
-  r.error = error;
-  r.fresh = fresh;
-  r.init = init;
-  r.server = fusekeeper::ServerName();
-  auto s = fusekeeper::SendHandoffMessage(sock, fusekeeper::EncodeHandoffReply(r), -1);
-  if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
-}
-
-int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const std::vector<std::string>& program) {
-  const int sock = sock_fd.get();
-  if (program.empty()) {
-    Reply(sock, false, "launch mode needs a program to run");
-    return Fail(2, "launch: no program given (fkserve launch -- <program> [args] /dev/fd/{fd})");
-  }
-  // The program inherits the connection as a plain (non close-on-exec) fd.
-  int inherit = fcntl(fuse_fd.get(), F_DUPFD, 3);
-  if (inherit < 0) return Fail(5, absl::StrCat("dup: ", strerror(errno)));
-  std::vector<std::string> args;
-  for (const std::string& a : program) args.push_back(absl::StrReplaceAll(a, {{"{fd}", std::to_string(inherit)}}));
-  // Learn whether exec worked through a close-on-exec pipe: it closes on success.
-  int p[2];
-  if (pipe2(p, O_CLOEXEC) != 0) return Fail(5, "pipe");
-  pid_t child = fork();
-  if (child < 0) return Fail(5, absl::StrCat("fork: ", strerror(errno)));
-  if (child == 0) {
-    close(p[0]);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
-    int err = errno;
-    (void)!write(p[1], &err, sizeof(err));
-    _exit(127);
-  }
-  launched_child = child;
-  HandleStopSignals(ForwardStopSignal);
-  close(p[1]);
-  close(inherit);
-  // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
-  UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
-  fuse_fd.Reset();
-  int exec_errno = 0;
-  ssize_t n = read(p[0], &exec_errno, sizeof(exec_errno));
-  close(p[0]);
-  if (n == sizeof(exec_errno)) {
-    const std::string why = absl::StrCat("could not start ", args[0], ": ", strerror(exec_errno));
-    Reply(sock, false, why);
-    waitpid(child, nullptr, 0);
-    return Fail(127, why);
-  }
-  Reply(sock, true, "");
-  MarkReady(true);
-  // The connection stays open while the program serves (and is re-deposited with a restarted
-  // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
-  // there is none to re-deposit: its successors get a fresh connection.
-  fusekeeper::AgentLink link(std::move(sock_fd), std::move(keep), "", FLAGS_socket,
-                             static_cast<uid_t>(FLAGS_agent_uid));
-  link.Start();
-  int status = 0;
-  waitpid(child, &status, 0);
-  MarkReady(false);
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-    link.Report(true, "");
-    return 0;
-  }
-  const std::string why = WIFEXITED(status)
-                              ? absl::StrCat(args[0], " exited with status ", WEXITSTATUS(status))
-                              : absl::StrCat(args[0], " was killed by signal ", WTERMSIG(status));
-  link.Report(false, why);
-  fprintf(stderr, "fkserve: %s\n", why.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -179,6 +105,8 @@ int main(int argc, char** argv) {
       mode = a;
     }
   }
+  // Run through a link named fusermount/fusermount3 by a program `fkserve launch` started.
+  if (fusekeeper::IsFusermountName(argv[0])) return fusekeeper::FusermountMain(argc, argv);
   gflags::SetVersionString(fusekeeper::kVersion);
   gflags::SetUsageMessage(
       "fkserve --socket=<handoff socket> serve --root=<dir>\n"
@@ -228,7 +156,7 @@ int main(int argc, char** argv) {
     struct stat st;
     if (!msg->fd.valid() || fstat(msg->fd.get(), &st) != 0 || !S_ISCHR(st.st_mode) ||
         major(st.st_rdev) != 10 || minor(st.st_rdev) != 229) {
-      Reply(sock.get(), false, "the fd received is not /dev/fuse");
+      fusekeeper::ReplyToAgent(sock.get(), false, "the fd received is not /dev/fuse");
       return Fail(4, "the agent's message did not carry a /dev/fuse fd");
     }
     const bool can_adopt = mode == "serve" && !config->init.empty();
@@ -236,12 +164,35 @@ int main(int argc, char** argv) {
     if (round > 0) return Fail(4, "the agent offered a live connection again after a fresh one was asked for");
     fprintf(stderr, "fkserve: volume %s: cannot adopt the live connection in %s mode; asking for a fresh one\n",
             config->volume_id.c_str(), mode.c_str());
-    Reply(sock.get(), false, absl::StrCat(mode, " mode cannot adopt a live connection"), /*fresh=*/true);
+    fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat(mode, " mode cannot adopt a live connection"), /*fresh=*/true);
   }
   fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", config->volume_id.c_str(), mode.c_str(),
           config->live ? ", adopting the live connection" : "");
 
-  if (mode == "launch") return Launch(std::move(sock), std::move(msg->fd), program);
+  if (mode == "launch") {
+    fusekeeper::LaunchOptions lo;
+    lo.program = program;
+    lo.socket_path = FLAGS_socket;
+    lo.agent_uid = static_cast<uid_t>(FLAGS_agent_uid);
+    lo.read_only = config->read_only;
+    const char* tmpdir = getenv("TMPDIR");
+    lo.work_dirs = {FLAGS_work_dir, tmpdir != nullptr ? tmpdir : "", "/tmp",
+                    FLAGS_socket.substr(0, FLAGS_socket.rfind('/'))};
+    char self[PATH_MAX];
+    const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (len > 0) lo.self_exe.assign(self, static_cast<size_t>(len));
+    lo.preload = FLAGS_preload;
+    if (lo.preload == "auto") {
+      lo.preload = lo.self_exe.substr(0, lo.self_exe.rfind('/') + 1) + "libfkserve_preload.so";
+      if (access(lo.preload.c_str(), R_OK) != 0) {
+        fprintf(stderr, "fkserve: no %s: programs that exec the system's fusermount by its absolute path "
+                "(libfuse) will not find fkserve's\n", lo.preload.c_str());
+        lo.preload.clear();
+      }
+    }
+    lo.mark_ready = MarkReady;
+    return fusekeeper::Launch(std::move(sock), std::move(msg->fd), lo);
+  }
 
   fusekeeper::PassthroughOptions options;
   options.root = FLAGS_root;
@@ -249,7 +200,7 @@ int main(int argc, char** argv) {
   options.mount_group = config->mount_group;
   struct stat root_st;
   if (stat(FLAGS_root.c_str(), &root_st) != 0 || !S_ISDIR(root_st.st_mode)) {
-    Reply(sock.get(), false, absl::StrCat("export root ", FLAGS_root, " is not a directory this server can see"));
+    fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat("export root ", FLAGS_root, " is not a directory this server can see"));
     return Fail(5, absl::StrCat("--root ", FLAGS_root, " is not a directory"));
   }
   if (config->live) {
@@ -259,12 +210,12 @@ int main(int argc, char** argv) {
     // Read the INIT now, to report it: a successor adopting this connection replays it.
     auto init = fusekeeper::ReadInitRequest(msg->fd.get(), 10000);
     if (!init.ok()) {
-      Reply(sock.get(), false, std::string(init.status().message()));
+      fusekeeper::ReplyToAgent(sock.get(), false, std::string(init.status().message()));
       return Fail(5, std::string(init.status().message()));
     }
     options.init_request = std::move(*init);
   }
-  Reply(sock.get(), true, "", false, config->live ? "" : options.init_request);
+  fusekeeper::ReplyToAgent(sock.get(), true, "", false, config->live ? "" : options.init_request);
   // The connection stays open while we serve (and is re-deposited with a restarted agent); its
   // end (and why) is reported to the agent.
   fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(msg->fd.get(), F_DUPFD_CLOEXEC, 3)),

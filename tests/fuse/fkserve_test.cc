@@ -17,6 +17,7 @@
 #include "agent/fuse/handoff_endpoint.h"
 #include "gtest/gtest.h"
 #include "tests/testing/loop_thread.h"
+#include "tests/testing/with_deadline.h"
 #include "tests/testing/mount_fixture.h"
 #include "tests/testing/subprocess.h"
 
@@ -75,6 +76,9 @@ class FkserveTest : public ::testing::Test {
       // Bazel's runfiles live under /root (0700): give the unprivileged server a copy it can run.
       const std::string copy = root_.path() + "/fkserve";
       fs::copy_file(binary, copy, fs::copy_options::overwrite_existing);
+      // Its preload library goes beside it (the launcher looks for it there).
+      fs::copy_file(RunfilePath("agent/fkserve/libfkserve_preload.so"), root_.path() + "/libfkserve_preload.so",
+                    fs::copy_options::overwrite_existing);
       fs::permissions(copy, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec |
                                 fs::perms::group_read | fs::perms::others_read);
       binary = copy;
@@ -212,6 +216,20 @@ TEST_F(FkserveTest, AsPidOneItStopsWhenAskedInServeAndLaunchMode) {
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     endpoint_.reset();
   }
+}
+
+// Issue 19: a libfuse2 program that daemonizes (bindfs without -f), given an ordinary directory,
+// mounts it through fkserve's fusermount and serves the agent's connection.
+TEST_F(FkserveTest, ALibfuse2ProgramMountsADirectoryThroughOurFusermount) {
+  if (access("/usr/bin/bindfs", X_OK) != 0) GTEST_SKIP() << "bindfs is not installed (scripts/setup.sh installs it)";
+  MountAndOffer({.volume_id = "v-bindfs"}, false, 65534);
+  chown(export_.c_str(), 65534, 65534);
+  chown((export_ + "/existing.txt").c_str(), 65534, 65534);
+  StartServer({"launch", "--", "bindfs", "-o", "ro,suid", export_, "{mountpoint}"}, 65534);
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  auto got = WithDeadline([&] { return ReadFile(mnt_ + "/existing.txt"); });
+  ASSERT_TRUE(got.has_value()) << server_->Stderr();
+  EXPECT_EQ(*got, "already here\n") << server_->Stderr();
 }
 
 TEST_F(FkserveTest, ALaunchedProgramsExitStatusReachesTheAgent) {

@@ -24,6 +24,7 @@
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/mount_fixture.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/with_deadline.h"
 #include "tests/volume/pod_reader.h"
 
 namespace fusekeeper {
@@ -52,17 +53,6 @@ inline bool WaitForMountCount(const std::string& path, int n) {
     }
   }
   return true;
-}
-
-// Runs fn on another thread; returns its result, or nullopt if it does not finish in time.
-template <typename F>
-auto WithDeadline(F fn, std::chrono::milliseconds limit = std::chrono::milliseconds(kTestDeadline))
-    -> std::optional<decltype(fn())> {
-  auto task = std::make_shared<std::packaged_task<decltype(fn())()>>(std::move(fn));
-  auto f = task->get_future();
-  std::thread([task] { (*task)(); }).detach();
-  if (f.wait_for(limit) != std::future_status::ready) return std::nullopt;
-  return f.get();
 }
 
 class FuseE2ETest : public ::testing::Test {

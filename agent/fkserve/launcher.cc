@@ -1,0 +1,318 @@
+#include "agent/fkserve/launcher.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "agent/fkserve/agent_link.h"
+#include "agent/fkserve/fusermount.h"
+
+namespace fusekeeper {
+namespace {
+
+volatile sig_atomic_t pending_stop_signal = 0;
+void RecordStopSignal(int sig) { pending_stop_signal = sig; }
+
+// Without SA_RESTART: a wait is interrupted, and the launcher passes the signal on.
+void CatchStopSignals() {
+  struct sigaction sa {};
+  sa.sa_handler = RecordStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaction(sig, &sa, nullptr);
+}
+
+// A pid as /proc shows it, as this process's pid namespace numbers it: the last NSpid entry. (A
+// /proc mounted for another pid namespace, e.g. an outer one, numbers processes its own way.)
+pid_t InOurNamespace(pid_t proc_pid) {
+  FILE* f = fopen(absl::StrCat("/proc/", proc_pid, "/status").c_str(), "re");
+  if (f == nullptr) return -1;
+  char line[512];
+  pid_t last = -1;
+  while (fgets(line, sizeof(line), f) != nullptr) {
+    if (strncmp(line, "NSpid:", 6) != 0) continue;
+    for (char* p = line + 6; *p != '\0';) {
+      char* end = nullptr;
+      const long v = strtol(p, &end, 10);
+      if (end == p) break;
+      last = static_cast<pid_t>(v);
+      p = end;
+    }
+  }
+  fclose(f);
+  return last;
+}
+
+// The launcher's children: the program, and (as a subreaper) whatever it left running.
+std::set<pid_t> Children() {
+  std::set<pid_t> out;
+  DIR* tasks = opendir("/proc/self/task");
+  if (tasks == nullptr) return out;
+  while (dirent* t = readdir(tasks)) {
+    if (t->d_name[0] == '.') continue;
+    FILE* f = fopen(absl::StrCat("/proc/self/task/", t->d_name, "/children").c_str(), "re");
+    if (f == nullptr) continue;
+    int pid;
+    while (fscanf(f, "%d", &pid) == 1) {
+      if (const pid_t ours = InOurNamespace(pid); ours > 0) out.insert(ours);
+    }
+    fclose(f);
+  }
+  closedir(tasks);
+  return out;
+}
+
+std::string Describe(int status) {
+  return WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status))
+                           : absl::StrCat("was killed by signal ", WTERMSIG(status));
+}
+
+// The private directory: the program's mount point, the fusermount links, the handover marker.
+struct PrivateDir {
+  std::string dir, mountpoint, bin, marker;
+  ~PrivateDir() {
+    if (dir.empty()) return;
+    for (const char* name : {"fusermount", "fusermount3"}) unlink(absl::StrCat(bin, "/", name).c_str());
+    rmdir(bin.c_str());
+    unlink(marker.c_str());
+    rmdir(mountpoint.c_str());
+    rmdir(dir.c_str());
+  }
+};
+
+bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
+  std::vector<std::string> tried;
+  for (const std::string& where : o.work_dirs) {
+    if (where.empty()) continue;
+    std::string templ = absl::StrCat(where, "/fkserve-XXXXXX");
+    if (mkdtemp(templ.data()) != nullptr) {
+      d->dir = templ;
+      break;
+    }
+    tried.push_back(absl::StrCat(where, " (", strerror(errno), ")"));
+  }
+  if (d->dir.empty()) {
+    *error = absl::StrCat("cannot make a private directory in any of: ", absl::StrJoin(tried, ", "));
+    return false;
+  }
+  chmod(d->dir.c_str(), 0711);  // the program may run its helpers under other uids
+  d->mountpoint = d->dir + "/mnt";
+  d->bin = d->dir + "/bin";
+  d->marker = d->dir + "/handed";
+  if (mkdir(d->mountpoint.c_str(), 0755) != 0 || mkdir(d->bin.c_str(), 0755) != 0) {
+    *error = absl::StrCat("cannot make ", d->mountpoint, ": ", strerror(errno));
+    return false;
+  }
+  for (const char* name : {"fusermount", "fusermount3"}) {
+    const std::string link = absl::StrCat(d->bin, "/", name);
+    if (symlink(o.self_exe.c_str(), link.c_str()) != 0) {
+      *error = absl::StrCat("cannot link ", link, " to ", o.self_exe, ": ", strerror(errno));
+      return false;
+    }
+  }
+  return true;
+}
+
+// Lines from fkserve's fusermount (the report pipe), printed and kept for the agent.
+class ReportReader {
+ public:
+  explicit ReportReader(int fd) : fd_(fd) {
+    // Stop signals are for the main thread (they interrupt its wait).
+    sigset_t stop, old;
+    sigemptyset(&stop);
+    for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
+    pthread_sigmask(SIG_BLOCK, &stop, &old);
+    thread_ = std::thread([this] { Run(); });
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  }
+  ~ReportReader() { Join(); }
+  // Waits for EOF: every process that could write has ended.
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+  std::vector<std::string> problems() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return problems_;
+  }
+
+ private:
+  void Run() {
+    std::string pending;
+    char buf[4096];
+    while (true) {
+      ssize_t n = read(fd_.get(), buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      pending.append(buf, static_cast<size_t>(n));
+      for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+        std::string line = pending.substr(0, nl);
+        pending.erase(0, nl + 1);
+        fprintf(stderr, "fkserve: fusermount: %s\n", line.c_str());
+        if (absl::StartsWith(line, "refused: ") || absl::StartsWith(line, "options: ")) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (problems_.size() < 8) problems_.push_back(line);
+        }
+      }
+    }
+  }
+
+  UniqueFd fd_;
+  std::mutex mu_;
+  std::vector<std::string> problems_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& program, int fd,
+                                           const std::string& mountpoint) {
+  std::vector<std::string> out;
+  for (const std::string& a : program) {
+    out.push_back(absl::StrReplaceAll(a, {{"{fd}", std::to_string(fd)}, {"{mountpoint}", mountpoint}}));
+  }
+  return out;
+}
+
+int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
+  const int sock = sock_fd.get();
+  auto fail = [sock](int code, const std::string& why) {
+    ReplyToAgent(sock, false, why);
+    fprintf(stderr, "fkserve: %s\n", why.c_str());
+    return code;
+  };
+  if (o.program.empty()) return fail(2, "launch: no program given (fkserve launch -- <program> [args])");
+  PrivateDir dir;
+  std::string error;
+  if (!MakePrivateDir(o, &dir, &error)) return fail(5, error);
+  // The program inherits the connection as a plain (non close-on-exec) fd, and a pipe on which
+  // its fusermount reports.
+  const int inherit = fcntl(fuse_fd.get(), F_DUPFD, 3);
+  int report[2];
+  if (inherit < 0 || pipe2(report, O_CLOEXEC) != 0) return fail(5, absl::StrCat("dup/pipe: ", strerror(errno)));
+  const int report_child = fcntl(report[1], F_DUPFD, 3);
+  close(report[1]);
+  const std::vector<std::string> args = ExpandProgramArgs(o.program, inherit, dir.mountpoint);
+  // Learn whether exec worked through a close-on-exec pipe: it closes on success.
+  int p[2];
+  if (report_child < 0 || pipe2(p, O_CLOEXEC) != 0) return fail(5, "pipe");
+  // Orphans the program leaves (a daemonizing program's real server) become our children.
+  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+    fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
+            strerror(errno));
+  }
+  pid_t child = fork();
+  if (child < 0) return fail(5, absl::StrCat("fork: ", strerror(errno)));
+  if (child == 0) {
+    close(p[0]);
+    close(report[0]);
+    const char* path = getenv("PATH");
+    setenv("PATH", absl::StrCat(dir.bin, ":", path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin").c_str(), 1);
+    setenv(kFuseFdEnv, std::to_string(inherit).c_str(), 1);
+    setenv(kMountpointEnv, dir.mountpoint.c_str(), 1);
+    setenv(kReportFdEnv, std::to_string(report_child).c_str(), 1);
+    setenv(kAgentReadOnlyEnv, o.read_only ? "1" : "0", 1);
+    setenv(kFusermountEnv, absl::StrCat(dir.bin, "/fusermount3").c_str(), 1);
+    setenv(kHandedMarkerEnv, dir.marker.c_str(), 1);
+    if (!o.preload.empty()) {
+      const char* old = getenv("LD_PRELOAD");
+      setenv("LD_PRELOAD", old != nullptr && old[0] ? absl::StrCat(o.preload, ":", old).c_str() : o.preload.c_str(), 1);
+    }
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    int err = errno;
+    (void)!write(p[1], &err, sizeof(err));
+    _exit(127);
+  }
+  CatchStopSignals();
+  close(p[1]);
+  close(inherit);
+  close(report_child);
+  ReportReader reports(report[0]);
+  // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
+  UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
+  fuse_fd.Reset();
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = read(p[0], &exec_errno, sizeof(exec_errno));
+  } while (n < 0 && errno == EINTR);
+  close(p[0]);
+  const std::string name = o.program[0];
+  if (n == sizeof(exec_errno)) {
+    waitpid(child, nullptr, 0);
+    return fail(127, absl::StrCat("could not start ", name, ": ", strerror(exec_errno)));
+  }
+  ReplyToAgent(sock, true, "");
+  if (o.mark_ready) o.mark_ready(true);
+  // The connection stays open while the program serves (and is re-deposited with a restarted
+  // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
+  // there is none to re-deposit: its successors get a fresh connection.
+  AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
+  link.Start();
+  // Until the last of the program's processes has ended.
+  int program_status = 0, last_status = 0;
+  pid_t last_pid = child;
+  bool program_done = false;
+  int reaped = 0;
+  while (true) {
+    if (const int sig = pending_stop_signal; sig != 0) {
+      pending_stop_signal = 0;
+      for (pid_t pid : Children()) kill(pid, sig);
+    }
+    int status = 0;
+    pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;  // ECHILD: nothing of the program is left
+    }
+    ++reaped;
+    last_pid = pid;
+    last_status = status;
+    if (pid == child) {
+      program_done = true;
+      program_status = status;
+      if (!Children().empty()) {
+        fprintf(stderr, "fkserve: %s %s and left %zu process(es) running: following them\n", name.c_str(),
+                Describe(status).c_str(), Children().size());
+      }
+    }
+  }
+  if (o.mark_ready) o.mark_ready(false);
+  reports.Join();
+  std::string why = absl::StrCat(name, " ", Describe(program_done && reaped == 1 ? program_status : last_status));
+  if (reaped > 1) {
+    why = absl::StrCat(name, " ", Describe(program_status), "; its last process (pid ", last_pid, ") ",
+                       Describe(last_status));
+  }
+  const std::vector<std::string> problems = reports.problems();
+  if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
+  link.Report(false, why);
+  fprintf(stderr, "fkserve: %s\n", why.c_str());
+  const int final_status = reaped > 1 ? last_status : program_status;
+  return WIFEXITED(final_status) ? WEXITSTATUS(final_status) : 128 + WTERMSIG(final_status);
+}
+
+}  // namespace fusekeeper

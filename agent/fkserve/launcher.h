@@ -1,0 +1,51 @@
+// The launcher (`fkserve launch -- <program> [args]`): runs another program, unmodified, on the
+// connection the agent handed to fkserve.
+//
+// The program finds the connection in one of two ways:
+//  - `/dev/fd/{fd}` as its mount point (libfuse3 accepts an fd there): `{fd}` is replaced by the
+//    number of the inherited connection;
+//  - an ordinary directory, `{mountpoint}` (one the launcher makes, empty): the program mounts it
+//    the normal way, through fusermount, and fkserve's own fusermount (fusermount.h) answers with
+//    the connection. The launcher puts it first on $PATH (go-fuse, bazil) and preloads
+//    libfkserve_preload.so (libfuse2/3 exec fusermount by absolute path first).
+//
+// Programs that daemonize (sshfs or s3fs without -f, rclone --daemon) are followed: the launcher
+// is a child subreaper, so their descendants stay its children; the server lives while any of
+// them does, and its end is reported to the agent with the program's name and exit status (a
+// plain exit 0 too). SIGTERM/SIGINT/SIGHUP are passed on to every one of them.
+//
+// Blocking; the process's main thread.
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "agent/base/unique_fd.h"
+
+namespace fusekeeper {
+
+struct LaunchOptions {
+  std::vector<std::string> program;  // argv, with {fd} and {mountpoint} placeholders
+  std::string socket_path;           // the handoff socket (for re-deposits)
+  uid_t agent_uid = 0;
+  bool read_only = false;            // how the agent mounted the volume
+  // Where the launcher's private directory may be made, tried in order (a container's root may
+  // be read-only; the pod's emptyDir holding the socket is not).
+  std::vector<std::string> work_dirs = {"/tmp"};
+  std::string self_exe;              // fkserve itself: the fusermount links point at it
+  std::string preload;               // libfkserve_preload.so ("": none)
+  std::function<void(bool)> mark_ready;  // serving starts (true) / ends (false)
+};
+
+// Runs the program on `fuse_fd`, answering the handoff on `sock`; returns fkserve's exit status:
+// the program's (128+signal if it was killed).
+int Launch(UniqueFd sock, UniqueFd fuse_fd, const LaunchOptions& options);
+
+// Replaces {fd} and {mountpoint} in each argument.
+std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& program, int fd,
+                                           const std::string& mountpoint);
+
+}  // namespace fusekeeper

@@ -1,0 +1,115 @@
+// libfkserve_preload.so: loaded (LD_PRELOAD) into programs `fkserve launch` runs, so that a FUSE
+// library finds fkserve's fusermount (fusermount.h) although it asks for the system's by
+// absolute path, and finds a FUSE device where the container has none.
+//
+//  - libfuse2 execs FUSERMOUNT_DIR "/fusermount" (Debian: /bin/fusermount) before trying $PATH,
+//    and libfuse3 /usr/bin/fusermount3: an exec (execv, execve, execvp, execvpe, posix_spawn,
+//    posix_spawnp) of any file named fusermount or fusermount3 runs $FKSERVE_FUSERMOUNT instead.
+//  - libfuse opens /dev/fuse and tries mount(2) before it falls back to fusermount, and stops
+//    with "fuse: device not found" when the open fails (an unprivileged container has no such
+//    device). If opening /dev/fuse fails, a dup of the volume's connection ($FKSERVE_FUSE_FD) is
+//    returned: mount(2) then fails with EPERM and libfuse asks fusermount, as it should.
+// Go programs (go-fuse, bazil) exec fusermount from $PATH, where the launcher puts fkserve's
+// first; they do not need this library. Static binaries ignore LD_PRELOAD.
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+namespace {
+
+const char* Redirect(const char* path) {
+  if (path == nullptr) return path;
+  const char* base = strrchr(path, '/');
+  base = base == nullptr ? path : base + 1;
+  if (strcmp(base, "fusermount") != 0 && strcmp(base, "fusermount3") != 0) return path;
+  const char* ours = getenv("FKSERVE_FUSERMOUNT");
+  return ours != nullptr && ours[0] != '\0' ? ours : path;
+}
+
+// A dup of the volume's connection for an open of /dev/fuse that failed, or -1.
+int FuseFallback(const char* path, int failed_errno) {
+  if (path == nullptr || strcmp(path, "/dev/fuse") != 0) return -1;
+  const char* text = getenv("FKSERVE_FUSE_FD");
+  if (text == nullptr) return -1;
+  char* end = nullptr;
+  long fd = strtol(text, &end, 10);
+  if (end == text || *end != '\0' || fd < 0) return -1;
+  int dup = fcntl(static_cast<int>(fd), F_DUPFD_CLOEXEC, 3);
+  if (dup < 0) errno = failed_errno;
+  return dup;
+}
+
+template <typename F>
+F Next(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_NEXT, name));
+}
+
+}  // namespace
+
+extern "C" {
+
+int execve(const char* path, char* const argv[], char* const envp[]) {
+  static auto real = Next<int (*)(const char*, char* const[], char* const[])>("execve");
+  return real(Redirect(path), argv, envp);
+}
+
+int execv(const char* path, char* const argv[]) {
+  static auto real = Next<int (*)(const char*, char* const[])>("execv");
+  return real(Redirect(path), argv);
+}
+
+int execvp(const char* file, char* const argv[]) {
+  static auto real = Next<int (*)(const char*, char* const[])>("execvp");
+  return real(Redirect(file), argv);
+}
+
+int execvpe(const char* file, char* const argv[], char* const envp[]) {
+  static auto real = Next<int (*)(const char*, char* const[], char* const[])>("execvpe");
+  return real(Redirect(file), argv, envp);
+}
+
+int posix_spawn(pid_t* pid, const char* path, const posix_spawn_file_actions_t* actions,
+                const posix_spawnattr_t* attr, char* const argv[], char* const envp[]) {
+  static auto real = Next<int (*)(pid_t*, const char*, const posix_spawn_file_actions_t*, const posix_spawnattr_t*,
+                                  char* const[], char* const[])>("posix_spawn");
+  return real(pid, Redirect(path), actions, attr, argv, envp);
+}
+
+int posix_spawnp(pid_t* pid, const char* file, const posix_spawn_file_actions_t* actions,
+                 const posix_spawnattr_t* attr, char* const argv[], char* const envp[]) {
+  static auto real = Next<int (*)(pid_t*, const char*, const posix_spawn_file_actions_t*, const posix_spawnattr_t*,
+                                  char* const[], char* const[])>("posix_spawnp");
+  return real(pid, Redirect(file), actions, attr, argv, envp);
+}
+
+#define FKSERVE_OPEN(name)                                                    \
+  int name(const char* path, int flags, ...) {                                \
+    static auto real = Next<int (*)(const char*, int, ...)>(#name);           \
+    mode_t mode = 0;                                                          \
+    if (flags & (O_CREAT | O_TMPFILE)) {                                      \
+      va_list ap;                                                             \
+      va_start(ap, flags);                                                    \
+      mode = va_arg(ap, mode_t);                                              \
+      va_end(ap);                                                             \
+    }                                                                         \
+    int fd = real(path, flags, mode);                                         \
+    if (fd >= 0) return fd;                                                   \
+    const int err = errno;                                                    \
+    int fallback = FuseFallback(path, err);                                   \
+    if (fallback >= 0) return fallback;                                       \
+    errno = err;                                                              \
+    return -1;                                                                \
+  }
+FKSERVE_OPEN(open)
+FKSERVE_OPEN(open64)
+#undef FKSERVE_OPEN
+
+}  // extern "C"
