@@ -9,6 +9,10 @@ pkgs=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libgoogle-glog-dev libgflags-dev libgtest-dev libgmock-dev libbenchmark-dev libabsl-dev
   libsimdjson-dev libcurl4-openssl-dev openssl libcpp-httplib-dev nlohmann-json3-dev
+  # Other people's FUSE programs, served by the tests through fkserve launch (and what their
+  # tests make images with): libfuse2, libfuse3, go-fuse and bazil programs.
+  bindfs fuse-zip unionfs-fuse archivemount fuse2fs squashfuse fuse-overlayfs gocryptfs rclone sshfs s3fs encfs
+  ntfs-3g zip squashfs-tools e2fsprogs tar util-linux strace
 )
 missing=()
 for p in "${pkgs[@]}"; do

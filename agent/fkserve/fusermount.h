@@ -14,18 +14,18 @@
 // Blocking; runs as its own process (argv[0] "fusermount"/"fusermount3", a link to fkserve).
 #pragma once
 
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fusekeeper {
 
 // Environment the launcher sets for the program (and so for its fusermount).
-inline constexpr char kFuseFdEnv[] = "FKSERVE_FUSE_FD";          // the connection (inherited fd)
-inline constexpr char kMountpointEnv[] = "FKSERVE_MOUNTPOINT";    // the directory given to the program
-inline constexpr char kReportFdEnv[] = "FKSERVE_REPORT_FD";       // a pipe to the launcher
-inline constexpr char kAgentReadOnlyEnv[] = "FKSERVE_AGENT_RO";   // "1": the agent mounted read-only
-inline constexpr char kFusermountEnv[] = "FKSERVE_FUSERMOUNT";    // this shim's path (LD_PRELOAD shim)
-inline constexpr char kHandedMarkerEnv[] = "FKSERVE_HANDED";      // a file created at the first handover
+inline constexpr char kFuseFdEnv[] = "FKSERVE_FUSE_FD";             // the connection (inherited fd; preload)
+inline constexpr char kServiceSocketEnv[] = "FKSERVE_FUSERMOUNT_SOCKET";  // where the launcher answers
+inline constexpr char kFusermountEnv[] = "FKSERVE_FUSERMOUNT";       // this shim's path (LD_PRELOAD shim)
 
 // What becomes of the mount options a program asks fusermount for.
 struct OptionVerdict {
@@ -35,8 +35,37 @@ struct OptionVerdict {
 // `options`: the comma-separated -o argument(s). `agent_read_only`: how the agent mounted.
 OptionVerdict ClassifyMountOptions(const std::vector<std::string>& options, bool agent_read_only);
 
-// The fusermount entry point (argv as given to it). Returns the exit status.
+// The fusermount entry point (argv as given to it). It asks the launcher's FusermountService
+// (FKSERVE_FUSERMOUNT_SOCKET) for the connection: a socket, not an inherited fd, because Go's
+// os/exec (go-fuse, bazil) closes every fd but the ones it passes. Returns the exit status.
 int FusermountMain(int argc, char** argv);
+
+// The launcher's side: answers fusermount requests on a socket of its own, on a thread of its
+// own, until destroyed. It hands the connection over once (a second mount is refused), and
+// prints and keeps what it reports.
+class FusermountService {
+ public:
+  // `socket_path`: a path in the launcher's private directory; `fuse_fd`: the connection (a dup
+  // is kept); `agent_read_only`: how the agent mounted it. Blocking (bind/listen).
+  static std::unique_ptr<FusermountService> Start(const std::string& socket_path, int fuse_fd, bool agent_read_only,
+                                                  std::string* error);
+  ~FusermountService();
+  // What was refused or not applied (for the report to the agent).
+  std::vector<std::string> problems();
+  // Whether the connection was handed to a fusermount.
+  bool handed();
+
+ private:
+  FusermountService() = default;
+  void Run();
+  void Answer(int conn);
+  int listen_fd_ = -1, fuse_fd_ = -1, stop_[2] = {-1, -1};
+  bool agent_read_only_ = false;
+  std::mutex mu_;
+  bool handed_ = false;                 // guarded by mu_
+  std::vector<std::string> problems_;   // guarded by mu_
+  std::thread thread_;
+};
 
 // Whether argv[0] names fusermount (fkserve is run through links of that name).
 bool IsFusermountName(const char* argv0);

@@ -85,14 +85,14 @@ std::string Describe(int status) {
                            : absl::StrCat("was killed by signal ", WTERMSIG(status));
 }
 
-// The private directory: the program's mount point, the fusermount links, the handover marker.
+// The private directory: the program's mount point, the fusermount links, the launcher's socket.
 struct PrivateDir {
-  std::string dir, mountpoint, bin, marker;
+  std::string dir, mountpoint, bin, socket;
   ~PrivateDir() {
     if (dir.empty()) return;
     for (const char* name : {"fusermount", "fusermount3"}) unlink(absl::StrCat(bin, "/", name).c_str());
     rmdir(bin.c_str());
-    unlink(marker.c_str());
+    unlink(socket.c_str());
     rmdir(mountpoint.c_str());
     rmdir(dir.c_str());
   }
@@ -116,7 +116,7 @@ bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
   chmod(d->dir.c_str(), 0711);  // the program may run its helpers under other uids
   d->mountpoint = d->dir + "/mnt";
   d->bin = d->dir + "/bin";
-  d->marker = d->dir + "/handed";
+  d->socket = d->dir + "/fusermount.sock";
   if (mkdir(d->mountpoint.c_str(), 0755) != 0 || mkdir(d->bin.c_str(), 0755) != 0) {
     *error = absl::StrCat("cannot make ", d->mountpoint, ": ", strerror(errno));
     return false;
@@ -130,55 +130,6 @@ bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
   }
   return true;
 }
-
-// Lines from fkserve's fusermount (the report pipe), printed and kept for the agent.
-class ReportReader {
- public:
-  explicit ReportReader(int fd) : fd_(fd) {
-    // Stop signals are for the main thread (they interrupt its wait).
-    sigset_t stop, old;
-    sigemptyset(&stop);
-    for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
-    pthread_sigmask(SIG_BLOCK, &stop, &old);
-    thread_ = std::thread([this] { Run(); });
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  }
-  ~ReportReader() { Join(); }
-  // Waits for EOF: every process that could write has ended.
-  void Join() {
-    if (thread_.joinable()) thread_.join();
-  }
-  std::vector<std::string> problems() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return problems_;
-  }
-
- private:
-  void Run() {
-    std::string pending;
-    char buf[4096];
-    while (true) {
-      ssize_t n = read(fd_.get(), buf, sizeof(buf));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      pending.append(buf, static_cast<size_t>(n));
-      for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
-        std::string line = pending.substr(0, nl);
-        pending.erase(0, nl + 1);
-        fprintf(stderr, "fkserve: fusermount: %s\n", line.c_str());
-        if (absl::StartsWith(line, "refused: ") || absl::StartsWith(line, "options: ")) {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (problems_.size() < 8) problems_.push_back(line);
-        }
-      }
-    }
-  }
-
-  UniqueFd fd_;
-  std::mutex mu_;
-  std::vector<std::string> problems_;
-  std::thread thread_;
-};
 
 }  // namespace
 
@@ -202,17 +153,17 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   PrivateDir dir;
   std::string error;
   if (!MakePrivateDir(o, &dir, &error)) return fail(5, error);
-  // The program inherits the connection as a plain (non close-on-exec) fd, and a pipe on which
-  // its fusermount reports.
+  // fkserve's fusermount asks for the connection here.
+  auto service = FusermountService::Start(dir.socket, fuse_fd.get(), o.read_only, &error);
+  if (!service) return fail(5, error);
+  // The program also inherits the connection as a plain (non close-on-exec) fd: /dev/fd/{fd},
+  // and the preload library's stand-in for a missing /dev/fuse.
   const int inherit = fcntl(fuse_fd.get(), F_DUPFD, 3);
-  int report[2];
-  if (inherit < 0 || pipe2(report, O_CLOEXEC) != 0) return fail(5, absl::StrCat("dup/pipe: ", strerror(errno)));
-  const int report_child = fcntl(report[1], F_DUPFD, 3);
-  close(report[1]);
+  if (inherit < 0) return fail(5, absl::StrCat("dup: ", strerror(errno)));
   const std::vector<std::string> args = ExpandProgramArgs(o.program, inherit, dir.mountpoint);
   // Learn whether exec worked through a close-on-exec pipe: it closes on success.
   int p[2];
-  if (report_child < 0 || pipe2(p, O_CLOEXEC) != 0) return fail(5, "pipe");
+  if (pipe2(p, O_CLOEXEC) != 0) return fail(5, "pipe");
   // Orphans the program leaves (a daemonizing program's real server) become our children.
   if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
     fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
@@ -222,19 +173,20 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   if (child < 0) return fail(5, absl::StrCat("fork: ", strerror(errno)));
   if (child == 0) {
     close(p[0]);
-    close(report[0]);
     const char* path = getenv("PATH");
     setenv("PATH", absl::StrCat(dir.bin, ":", path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin").c_str(), 1);
     setenv(kFuseFdEnv, std::to_string(inherit).c_str(), 1);
-    setenv(kMountpointEnv, dir.mountpoint.c_str(), 1);
-    setenv(kReportFdEnv, std::to_string(report_child).c_str(), 1);
-    setenv(kAgentReadOnlyEnv, o.read_only ? "1" : "0", 1);
+    setenv(kServiceSocketEnv, dir.socket.c_str(), 1);
     setenv(kFusermountEnv, absl::StrCat(dir.bin, "/fusermount3").c_str(), 1);
-    setenv(kHandedMarkerEnv, dir.marker.c_str(), 1);
     if (!o.preload.empty()) {
       const char* old = getenv("LD_PRELOAD");
       setenv("LD_PRELOAD", old != nullptr && old[0] ? absl::StrCat(o.preload, ":", old).c_str() : o.preload.c_str(), 1);
     }
+    // No setuid binary gains anything from here on (the system's setuid fusermount3 among them;
+    // ntfs-3g is setuid root on Debian): they run as the launcher's uid, and take the preload
+    // library like any other program. A container with allowPrivilegeEscalation: false has this
+    // already.
+    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
     signal(SIGTERM, SIG_DFL);
     signal(SIGINT, SIG_DFL);
     signal(SIGHUP, SIG_DFL);
@@ -249,8 +201,6 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   CatchStopSignals();
   close(p[1]);
   close(inherit);
-  close(report_child);
-  ReportReader reports(report[0]);
   // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
   UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
   fuse_fd.Reset();
@@ -301,13 +251,12 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     }
   }
   if (o.mark_ready) o.mark_ready(false);
-  reports.Join();
   std::string why = absl::StrCat(name, " ", Describe(program_done && reaped == 1 ? program_status : last_status));
   if (reaped > 1) {
     why = absl::StrCat(name, " ", Describe(program_status), "; its last process (pid ", last_pid, ") ",
                        Describe(last_status));
   }
-  const std::vector<std::string> problems = reports.problems();
+  const std::vector<std::string> problems = service->problems();
   if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());

@@ -1,0 +1,161 @@
+// Other people's FUSE programs, unmodified (issue 19), served on the agent's connection through
+// `fkserve launch` and its fusermount: each is given an ordinary directory ({mountpoint}) and
+// mounts it the normal way. For each, from a container-like pod view made before anything goes
+// wrong: the file it serves reads; a write goes through where the program is writable; kill -9 of
+// the program (all its processes: daemonizing ones leave their server behind) is recovered with a
+// fresh connection when it is started again; unpublish leaves nothing mounted and no process.
+// The Debian packages come from scripts/setup.sh; a program that is not installed is skipped
+// with the reason printed.
+#include <dirent.h>
+
+#include <cstdlib>
+#include <set>
+
+#include "absl/strings/str_replace.h"
+#include "tests/volume/fuse_fixture.h"
+
+namespace fusekeeper {
+namespace {
+
+struct Program {
+  const char* name;
+  const char* binary;  // must be installed
+  // Run as root before the program, with $W the work dir (readable by the server's uid after)
+  // and $SRC a directory holding hello.txt.
+  const char* setup;
+  std::vector<std::string> args;  // $W replaced; {mountpoint} by the launcher
+  bool writable;
+  // Starts empty (an encrypted store): hello.txt is written through the volume first.
+  bool starts_empty = false;
+  // Why it cannot work here at all (printed as the skip reason), or "".
+  const char* cannot = "";
+};
+
+std::string ProgramName(const ::testing::TestParamInfo<Program>& info) {
+  return absl::StrReplaceAll(info.param.name, {{"-", "_"}, {" ", "_"}});
+}
+
+const Program kPrograms[] = {
+    {"bindfs", "/usr/bin/bindfs", "", {"bindfs", "$W/src", "{mountpoint}"}, true},
+    {"bindfs-foreground", "/usr/bin/bindfs", "", {"bindfs", "-f", "$W/src", "{mountpoint}"}, true},
+    {"fuse-zip", "/usr/bin/fuse-zip", "cd $W/src && zip -q ../a.zip hello.txt", {"fuse-zip", "-r", "$W/a.zip", "{mountpoint}"},
+     false},
+    {"unionfs-fuse", "/usr/bin/unionfs-fuse", "mkdir -p $W/upper",
+     {"unionfs-fuse", "-o", "cow", "$W/upper=RW:$W/src=RO", "{mountpoint}"}, true},
+    {"archivemount", "/usr/bin/archivemount", "tar -C $W/src -cf $W/a.tar hello.txt",
+     {"archivemount", "-o", "readonly", "$W/a.tar", "{mountpoint}"}, false},
+    {"fuse2fs", "/usr/bin/fuse2fs", "mke2fs -q -t ext4 -d $W/src $W/fs.img 8M",
+     {"fuse2fs", "-o", "ro,fakeroot", "$W/fs.img", "{mountpoint}"}, false},
+    {"squashfuse", "/usr/bin/squashfuse", "mksquashfs $W/src $W/sq.img -quiet -no-progress",
+     {"squashfuse", "$W/sq.img", "{mountpoint}"}, false},
+    {"squashfuse_ll", "/usr/bin/squashfuse_ll", "mksquashfs $W/src $W/sq.img -quiet -no-progress",
+     {"squashfuse_ll", "-f", "$W/sq.img", "{mountpoint}"}, false},
+    {"fuse-overlayfs", "/usr/bin/fuse-overlayfs", "mkdir -p $W/upper $W/work",
+     {"fuse-overlayfs", "-f", "-o", "lowerdir=$W/src,upperdir=$W/upper,workdir=$W/work", "{mountpoint}"}, true},
+    // go-fuse takes /dev/fd/N natively; given a directory it checks the mount is there itself.
+    {"rclone-mount2", "/usr/bin/rclone", "",
+     {"rclone", "--config", "/dev/null", "mount2", "$W/src", "/dev/fd/{fd}"}, true},
+    {"gocryptfs", "/usr/bin/gocryptfs",
+     "mkdir $W/cipher && echo secret > $W/pw && chown -R 65534 $W && "
+     "setpriv --reuid=65534 --regid=65534 --clear-groups gocryptfs -q -init -passfile $W/pw $W/cipher",
+     {"gocryptfs", "-q", "-fg", "-passfile", "$W/pw", "$W/cipher", "/dev/fd/{fd}"}, true, true},
+    {"rclone-mount", "/usr/bin/rclone", "", {"rclone", "--config", "/dev/null", "mount", "$W/src", "{mountpoint}"},
+     true},
+    {"encfs", "/usr/bin/encfs", "mkdir $W/raw && echo secret > $W/pw",
+     {"encfs", "-f", "--standard", "--extpass=cat $W/pw", "$W/raw", "{mountpoint}"}, true, true},
+    {"ntfs-3g", "/usr/bin/ntfs-3g",
+     "truncate -s 8M $W/ntfs.img && mkntfs -q -F -f $W/ntfs.img && ntfscp -q $W/ntfs.img $W/src/hello.txt hello.txt",
+     {"ntfs-3g", "-o", "ro", "$W/ntfs.img", "{mountpoint}"}, false, false,
+     "ntfs-3g's built-in FUSE (fuse-lite) mounts only with root privileges (Debian installs it setuid root) and "
+     "never asks fusermount: 'User doesn't have privilege to mount'"},
+};
+
+class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface<Program> {
+ protected:
+  // Writes `content` to `path` as an app whose uid owns the files (the server's), then reads it
+  // back; returns what was read ("" and a failure if the write failed or hung).
+  std::string WriteAsServerUid(const std::string& path, const std::string& content) {
+    std::ofstream(root_.path() + "/content") << content;
+    Subprocess writer({"/bin/sh", "-c", "cat " + root_.path() + "/content > " + path + " && cat " + path + " >&2"}, {},
+                      [] {
+                        if (setresgid(kServerUid, kServerUid, kServerUid) != 0 ||
+                            setresuid(kServerUid, kServerUid, kServerUid) != 0) {
+                          _exit(99);
+                        }
+                      });
+    auto st = writer.Wait(std::chrono::milliseconds(20000));
+    EXPECT_TRUE(st.has_value() && *st == 0) << "writing " << path << ": " << writer.Stderr();
+    return st.has_value() && *st == 0 ? writer.Stderr() : "";
+  }
+
+  // The program's processes: the launcher's children (the program, or what it daemonized into).
+  std::set<pid_t> ProgramProcesses(pid_t launcher) {
+    std::set<pid_t> out;
+    DIR* tasks = opendir(("/proc/" + std::to_string(launcher) + "/task").c_str());
+    if (tasks == nullptr) return out;
+    while (dirent* t = readdir(tasks)) {
+      if (t->d_name[0] == '.') continue;
+      std::ifstream in("/proc/" + std::to_string(launcher) + "/task/" + t->d_name + "/children");
+      for (pid_t p; in >> p;) out.insert(p);
+    }
+    closedir(tasks);
+    return out;
+  }
+};
+
+TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
+  const Program& prog = GetParam();
+  if (prog.cannot[0] != '\0') GTEST_SKIP() << prog.name << " cannot be served unprivileged: " << prog.cannot;
+  if (access(prog.binary, X_OK) != 0) GTEST_SKIP() << prog.binary << " is not installed (scripts/setup.sh installs it)";
+  const std::string w = root_.path() + "/work";
+  fs::create_directories(w + "/src");
+  const std::string want = std::string("hello from ") + prog.name + "\n";
+  { std::ofstream(w + "/src/hello.txt") << want; }
+  if (prog.setup[0] != '\0') {
+    const std::string cmd = absl::StrReplaceAll(std::string("set -e; ") + prog.setup, {{"$W", w}});
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  ASSERT_EQ(std::system(("chown -R " + std::to_string(kServerUid) + ":" + std::to_string(kServerUid) + " " + w).c_str()),
+            0);
+  std::vector<std::string> launch = {"launch", "--"};
+  for (const auto& a : prog.args) launch.push_back(absl::StrReplaceAll(a, {{"$W", w}}));
+
+  StartAgent();
+  const std::string target = Pod("pod-p", "prog");
+  ASSERT_RPC_OK(PublishInline("prog", "pod-p", target));
+  const std::string socket = PodSocket("pod-p");
+  Subprocess* launcher = StartServer(socket, launch);
+  if (prog.starts_empty) {
+    ASSERT_EQ(WriteAsServerUid(target + "/hello.txt", want), want) << launcher->Stderr() << agent_->Stderr();
+  }
+  auto view = PodReader(target, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << prog.name << ": " << view->setup_error() << " last '" << view->last()
+                                          << "'\n" << launcher->Stderr() << agent_->Stderr();
+  if (prog.writable) {
+    const std::string wrote = WriteAsServerUid(target + "/written.txt", "written through the volume\n");
+    EXPECT_EQ(wrote, "written through the volume\n") << launcher->Stderr();
+  }
+  // kill -9 of every process of the program (a daemonized one runs on without its parent).
+  std::set<pid_t> procs;
+  ASSERT_TRUE(WithDeadline([&] {
+                procs = ProgramProcesses(launcher->pid());
+                return !procs.empty();
+              }).value_or(false));
+  for (pid_t p : procs) kill(p, SIGKILL);
+  ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << launcher->Stderr();
+  EXPECT_NE(launcher->Stderr().find("was killed by signal 9"), std::string::npos) << launcher->Stderr();
+  Subprocess* again = StartServer(socket, launch);
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << prog.name << " after kill -9: last '" << view->last() << "' errors "
+                                          << view->errors() << "\n" << again->Stderr() << agent_->Stderr();
+  std::cout << prog.name << ": " << view->errors() << " failed reads in the pod view across the kill\n";
+  view->Stop();
+  ASSERT_RPC_OK(Unpublish("prog", target));
+  EXPECT_EQ(MountCountAt(target), 0);
+  ASSERT_TRUE(again->Wait(std::chrono::milliseconds(20000)).has_value()) << "the program ends with its volume\n"
+                                                                         << again->Stderr();
+}
+
+INSTANTIATE_TEST_SUITE_P(Programs, ProgramsE2ETest, ::testing::ValuesIn(kPrograms), ProgramName);
+
+}  // namespace
+}  // namespace fusekeeper
