@@ -78,6 +78,16 @@ void AgentLink::Report(bool ok, const std::string& error) {
   if (!s.ok()) fprintf(stderr, "fkserve: reporting to the agent: %s\n", std::string(s.message()).c_str());
 }
 
+void AgentLink::Notice(const std::string& text) {
+  HandoffReply r;
+  r.ok = true;
+  r.notice = text;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sock_) return;
+  auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
+  if (!s.ok()) fprintf(stderr, "fkserve: telling the agent: %s\n", std::string(s.message()).c_str());
+}
+
 void AgentLink::Run() {
   while (!stopping_) {
     int fd;

@@ -36,6 +36,9 @@ class AgentLink {
   void Start();
   // Sends the final HandoffReply on the current connection and stops watching. Any thread.
   void Report(bool ok, const std::string& error);
+  // Tells the agent something without stopping (HandoffReply::notice): it becomes an Event on the
+  // volume. Any thread; dropped if there is no connection to the agent right now.
+  void Notice(const std::string& text);
 
  private:
   void Run();

@@ -280,6 +280,19 @@ std::vector<std::string> FusermountService::problems() {
   return problems_;
 }
 
+void FusermountService::OnProblem(std::function<void(const std::string&)> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_problem_ = std::move(fn);
+  if (!on_problem_) return;
+  for (const auto& p : problems_) on_problem_(p);
+}
+
+void FusermountService::AddProblem(const std::string& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (problems_.size() < 8) problems_.push_back(p);
+  if (on_problem_) on_problem_(p);
+}
+
 bool FusermountService::handed() {
   std::lock_guard<std::mutex> lock(mu_);
   return handed_;
@@ -309,10 +322,7 @@ void FusermountService::Answer(int conn) {
   std::vector<std::string> lines = absl::StrSplit(request, absl::MaxSplits('\n', 2));
   auto refuse = [&](const std::string& why) {
     fprintf(stderr, "fkserve: fusermount refused: %s\n", why.c_str());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (problems_.size() < 8) problems_.push_back(absl::StrCat("refused: ", why));
-    }
+    AddProblem(absl::StrCat("refused: ", why));
     SendWithFd(conn, why, -1);
   };
   if (lines.size() != 3 || lines[0] != "mount") return refuse("a request that is not fkserve's fusermount's");
@@ -332,10 +342,7 @@ void FusermountService::Answer(int conn) {
   if (!verdict.not_applied.empty()) {
     absl::StrAppend(&line, "; options NOT applied (the volume's mount is the agent's): ",
                     absl::StrJoin(verdict.not_applied, ", "));
-    std::lock_guard<std::mutex> lock(mu_);
-    if (problems_.size() < 8) {
-      problems_.push_back(absl::StrCat("options not applied: ", absl::StrJoin(verdict.not_applied, ", ")));
-    }
+    AddProblem(absl::StrCat("options not applied: ", absl::StrJoin(verdict.not_applied, ", ")));
   }
   fprintf(stderr, "fkserve: fusermount: %s\n", line.c_str());
   SendWithFd(conn, line, fuse_fd_);

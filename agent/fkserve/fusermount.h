@@ -14,6 +14,7 @@
 // Blocking; runs as its own process (argv[0] "fusermount"/"fusermount3", a link to fkserve).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,6 +55,9 @@ class FusermountService {
   std::vector<std::string> problems();
   // Whether the connection was handed to a fusermount.
   bool handed();
+  // `fn` gets every problem (those so far at once, later ones as they happen), on the service's
+  // thread or the caller's.
+  void OnProblem(std::function<void(const std::string&)> fn);
 
  private:
   FusermountService() = default;
@@ -64,6 +68,8 @@ class FusermountService {
   std::mutex mu_;
   bool handed_ = false;                 // guarded by mu_
   std::vector<std::string> problems_;   // guarded by mu_
+  std::function<void(const std::string&)> on_problem_;  // guarded by mu_
+  void AddProblem(const std::string& p);
   std::thread thread_;
 };
 

@@ -222,6 +222,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   // there is none to re-deposit: its successors get a fresh connection.
   AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
   link.Start();
+  // What fkserve's fusermount refused or did not apply reaches the volume's Events now.
+  service->OnProblem([&link, name](const std::string& p) { link.Notice(absl::StrCat(name, ": fusermount ", p)); });
   // Until the last of the program's processes has ended.
   int program_status = 0, last_status = 0;
   pid_t last_pid = child;
@@ -256,6 +258,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     why = absl::StrCat(name, " ", Describe(program_status), "; its last process (pid ", last_pid, ") ",
                        Describe(last_status));
   }
+  service->OnProblem(nullptr);  // the link is about to go
   const std::vector<std::string> problems = service->problems();
   if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
   link.Report(false, why);

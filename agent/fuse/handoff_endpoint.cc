@@ -434,7 +434,6 @@ std::unique_ptr<HandoffEndpoint::Connection> HandoffEndpoint::TakeConnection(Con
 }
 
 void HandoffEndpoint::WatchServer(Connection* c) {
-  PrepareReceive(c);
   c->recv.callback = [this, c](int32_t res, bool) {
     Completed();
     if (res > 0) {
@@ -448,6 +447,15 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
     } else {
       auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
+      if (reply.ok() && !reply->notice.empty() && !stopped_) {
+        // Not the end: pass it on and keep watching.
+        if (c == serving_connection_) {
+          LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE server reports: " << reply->notice;
+          if (events_.on_server_notice) events_.on_server_notice(reply->notice);
+        }
+        ArmServerReceive(c);  // (the callback stays: it is the one running)
+        return;
+      }
       why = !reply.ok()  ? reply.status()
             : reply->ok  ? absl::UnavailableError("the FUSE server stopped serving")
                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
@@ -469,6 +477,11 @@ void HandoffEndpoint::WatchServer(Connection* c) {
     }
     ReleaseLater(std::move(doomed));
   };
+  ArmServerReceive(c);
+}
+
+void HandoffEndpoint::ArmServerReceive(Connection* c) {
+  PrepareReceive(c);
   io_uring_sqe* sqe = loop_.GetSqe();
   io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
   Arm(sqe, &c->recv);

@@ -59,6 +59,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     // The server that took the volume stopped serving: it sent its final message (`why` holds
     // its words) or its connection closed (it exited or was killed). Loop thread.
     absl::AnyInvocable<void(const absl::Status& why)> on_server_gone;
+    // The serving server reports something without stopping (HandoffReply::notice). Loop thread.
+    absl::AnyInvocable<void(const std::string& notice)> on_server_notice;
     // A server cannot adopt the live connection and waits for a fresh one. Loop thread.
     absl::AnyInvocable<void()> on_fresh_requested;
     // The kept connection was aborted (fusectl abort, or the kernel gave up on it). Loop thread.
@@ -132,6 +134,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply);
   // Keeps the serving server's connection and waits for it to end.
   void WatchServer(Connection* c);
+  // Receives the serving server's next message into c->in (WatchServer's callback handles it).
+  void ArmServerReceive(Connection* c);
   // Points the connection's receive message at its buffers.
   static void PrepareReceive(Connection* c);
   // Watches the kept fd for POLLERR (the connection was aborted).

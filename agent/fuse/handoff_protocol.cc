@@ -207,6 +207,7 @@ std::string EncodeHandoffReply(const HandoffReply& r) {
   if (!r.server.empty()) absl::StrAppend(&out, ",\"server\":", JsonQuote(r.server));
   if (r.fresh) out += ",\"fresh\":true";
   if (r.redeposit) out += ",\"redeposit\":true";
+  if (!r.notice.empty()) absl::StrAppend(&out, ",\"notice\":", JsonQuote(r.notice));
   if (!r.init.empty()) absl::StrAppend(&out, ",\"init\":\"", EncodeHex(r.init), "\"");
   out += "}";
   return out;
@@ -221,6 +222,7 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   std::string_view v;
   if (!(*doc)["error"].get_string().get(v)) r.error = std::string(v);
   if (!(*doc)["server"].get_string().get(v)) r.server = std::string(v);
+  if (!(*doc)["notice"].get_string().get(v)) r.notice = std::string(v.substr(0, 1024));
   simdjson::dom::element e;
   if (!(*doc)["fresh"].get(e)) {
     if (e.get_bool().get(r.fresh)) return Bad("\"fresh\" is not a boolean");

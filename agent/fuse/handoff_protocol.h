@@ -94,6 +94,9 @@ struct HandoffReply {
   bool fresh = false;  // !ok: the server cannot adopt a live connection and asks for a fresh one
   std::string init;    // ok: the FUSE_INIT request the server read (raw bytes; hex on the wire)
   bool redeposit = false;  // ok: a serving server hands its connection back to a restarted agent
+  // A serving server's report that does not end serving (e.g. mount options a launched program
+  // asked for that were not applied): the agent posts it as an Event and keeps watching.
+  std::string notice;
 };
 
 // Hex codec for the "init" fields; DecodeHex fails on odd length or non-hex characters.

@@ -342,6 +342,11 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   events.on_fresh_requested = [this, vid] {
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
+  events.on_server_notice = [this, vid](const std::string& notice) {
+    if (const state::Volume* v = host_.Find(vid); v != nullptr) {
+      host_.Event(*v, "Warning", "FuseServerNotice", absl::StrCat("volume ", vid, ": its FUSE server reports: ", notice));
+    }
+  };
   events.on_connection_aborted = [this, vid, key] {
     auto ep = endpoints_.find(key);
     if (ep != endpoints_.end() && ep->second.gave_up) return;  // a server that connects gets a fresh one

@@ -66,6 +66,10 @@ class FkserveTest : public ::testing::Test {
       events.on_served = [this](const HandoffReply&, pid_t) { served_.set_value(); };
       events.on_connection_error = [this](const absl::Status& s) { last_error_ = s; };
       events.on_server_gone = [this](const absl::Status& s) { gone_.set_value(s); };
+      events.on_server_notice = [this](const std::string& n) {
+        if (!noticed_) notice_.set_value(n);
+        noticed_ = true;
+      };
       endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(*dev), config, {},
                                          std::move(events));
     });
@@ -111,6 +115,8 @@ class FkserveTest : public ::testing::Test {
   std::promise<void> served_;
   absl::Status last_error_;
   std::promise<absl::Status> gone_;
+  std::promise<std::string> notice_;
+  bool noticed_ = false;
   std::unique_ptr<Subprocess> server_;
 };
 
@@ -230,6 +236,12 @@ TEST_F(FkserveTest, ALibfuse2ProgramMountsADirectoryThroughOurFusermount) {
   auto got = WithDeadline([&] { return ReadFile(mnt_ + "/existing.txt"); });
   ASSERT_TRUE(got.has_value()) << server_->Stderr();
   EXPECT_EQ(*got, "already here\n") << server_->Stderr();
+  // The options it asked for that the agent's mount does not have reach the agent at once.
+  auto notice = notice_.get_future();
+  ASSERT_EQ(notice.wait_for(kTestDeadline), std::future_status::ready) << server_->Stderr();
+  const std::string n = notice.get();
+  EXPECT_NE(n.find("bindfs: fusermount options not applied: ro (the agent mounted the volume read-write)"),
+            std::string::npos) << n;
 }
 
 TEST_F(FkserveTest, ALaunchedProgramsExitStatusReachesTheAgent) {

@@ -29,6 +29,9 @@ struct Program {
   bool starts_empty = false;
   // Why it cannot work here at all (printed as the skip reason), or "".
   const char* cannot = "";
+  // What the agent must post as a FuseServerNotice (options the program asked for and did not
+  // get), or "".
+  const char* notice = "";
 };
 
 std::string ProgramName(const ::testing::TestParamInfo<Program>& info) {
@@ -38,6 +41,9 @@ std::string ProgramName(const ::testing::TestParamInfo<Program>& info) {
 const Program kPrograms[] = {
     {"bindfs", "/usr/bin/bindfs", "", {"bindfs", "$W/src", "{mountpoint}"}, true},
     {"bindfs-foreground", "/usr/bin/bindfs", "", {"bindfs", "-f", "$W/src", "{mountpoint}"}, true},
+    {"bindfs-asks-ro", "/usr/bin/bindfs", "", {"bindfs", "-o", "ro", "$W/src", "{mountpoint}"}, false, false, "",
+     "FuseServerNotice: volume prog: its FUSE server reports: bindfs: fusermount options not applied: ro (the agent "
+     "mounted the volume read-write)"},
     {"fuse-zip", "/usr/bin/fuse-zip", "cd $W/src && zip -q ../a.zip hello.txt", {"fuse-zip", "-r", "$W/a.zip", "{mountpoint}"},
      false},
     {"unionfs-fuse", "/usr/bin/unionfs-fuse", "mkdir -p $W/upper",
@@ -72,6 +78,9 @@ const Program kPrograms[] = {
 
 class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface<Program> {
  protected:
+  bool WaitForAgentLog(const std::string& what) {
+    return agent_->WaitForStderr(what, 1, std::chrono::duration_cast<std::chrono::milliseconds>(kTestDeadline));
+  }
   // Writes `content` to `path` as an app whose uid owns the files (the server's), then reads it
   // back; returns what was read ("" and a failure if the write failed or hung).
   std::string WriteAsServerUid(const std::string& path, const std::string& content) {
@@ -131,6 +140,7 @@ TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
   auto view = PodReader(target, "hello.txt");
   ASSERT_TRUE(view->WaitForReadsOf(want)) << prog.name << ": " << view->setup_error() << " last '" << view->last()
                                           << "'\n" << launcher->Stderr() << agent_->Stderr();
+  if (prog.notice[0] != '\0') ASSERT_TRUE(WaitForAgentLog(prog.notice)) << agent_->Stderr();
   if (prog.writable) {
     const std::string wrote = WriteAsServerUid(target + "/written.txt", "written through the volume\n");
     EXPECT_EQ(wrote, "written through the volume\n") << launcher->Stderr();
