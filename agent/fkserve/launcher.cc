@@ -131,6 +131,56 @@ bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
   return true;
 }
 
+// The program's stderr (and its descendants'), passed through to ours; the last lines are kept
+// for the report to the agent, so that its Event says why a program stopped.
+class StderrTail {
+ public:
+  explicit StderrTail(int fd) : fd_(fd) {
+    sigset_t stop, old;
+    sigemptyset(&stop);
+    for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
+    pthread_sigmask(SIG_BLOCK, &stop, &old);
+    thread_ = std::thread([this] { Run(); });
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  }
+  ~StderrTail() {
+    if (thread_.joinable()) thread_.join();
+  }
+  // Waits for the end of the stream (every process that held it has ended), then the last lines.
+  std::string Last() {
+    if (thread_.joinable()) thread_.join();
+    return absl::StrJoin(lines_, " | ");
+  }
+
+ private:
+  static constexpr size_t kLines = 4, kLineBytes = 200;
+  void Run() {
+    std::string pending;
+    char buf[4096];
+    while (true) {
+      ssize_t n = read(fd_.get(), buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      (void)!write(STDERR_FILENO, buf, static_cast<size_t>(n));
+      pending.append(buf, static_cast<size_t>(n));
+      for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+        Keep(pending.substr(0, nl));
+        pending.erase(0, nl + 1);
+      }
+      if (pending.size() > 4 * kLineBytes) pending.erase(0, pending.size() - kLineBytes);
+    }
+    Keep(pending);
+  }
+  void Keep(const std::string& line) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) return;
+    lines_.push_back(line.substr(0, kLineBytes));
+    if (lines_.size() > kLines) lines_.erase(lines_.begin());
+  }
+  UniqueFd fd_;
+  std::vector<std::string> lines_;
+  std::thread thread_;
+};
+
 }  // namespace
 
 std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& program, int fd,
@@ -163,7 +213,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   const std::vector<std::string> args = ExpandProgramArgs(o.program, inherit, dir.mountpoint);
   // Learn whether exec worked through a close-on-exec pipe: it closes on success.
   int p[2];
-  if (pipe2(p, O_CLOEXEC) != 0) return fail(5, "pipe");
+  int err_pipe[2];
+  if (pipe2(p, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) return fail(5, "pipe");
   // Orphans the program leaves (a daemonizing program's real server) become our children.
   if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
     fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
@@ -173,6 +224,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   if (child < 0) return fail(5, absl::StrCat("fork: ", strerror(errno)));
   if (child == 0) {
     close(p[0]);
+    dup2(err_pipe[1], STDERR_FILENO);
     const char* path = getenv("PATH");
     setenv("PATH", absl::StrCat(dir.bin, ":", path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin").c_str(), 1);
     setenv(kFuseFdEnv, std::to_string(inherit).c_str(), 1);
@@ -200,7 +252,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   }
   CatchStopSignals();
   close(p[1]);
+  close(err_pipe[1]);
   close(inherit);
+  StderrTail tail(err_pipe[0]);
   // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
   UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
   fuse_fd.Reset();
@@ -261,6 +315,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   service->OnProblem(nullptr);  // the link is about to go
   const std::vector<std::string> problems = service->problems();
   if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
+  if (const std::string last = tail.Last(); !last.empty()) absl::StrAppend(&why, "; its last words: ", last);
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
   const int final_status = reaped > 1 ? last_status : program_status;

@@ -384,7 +384,9 @@ void FuseKind::StopEndpoint(const std::string& volume_id, const std::string& pat
 
 void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string& path) {
   auto ep = endpoints_.find(EndpointKey(volume_id, path));
-  if (ep == endpoints_.end() || ep->second.endpoint->served()) return;
+  // A server serves it now: nothing to give up on (also when this timer was armed as an earlier
+  // server stopped, and another has taken the volume since).
+  if (ep == endpoints_.end() || ep->second.endpoint->serving() || ep->second.gave_up) return;
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
   ClaimQueue::Claim claim = host_.TryClaim(volume_id);
@@ -401,14 +403,24 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
   // listening: a server that connects later gets a fresh connection stacked on this mount.
   ep->second.gave_up = true;
   ep->second.endpoint->ExpectAbort();
-  const std::string message = absl::StrCat(
-      "no FUSE server connected to ", v->fuse().socket_path(), " within ", absl::FormatDuration(options_.handoff_timeout),
-      "; the mount now fails fast (ENOTCONN) until one does. Check that the server (sidecar or node-level) runs as uid ",
-      v->fuse().server_uid(), ", that it is given that socket path",
-      v->staging_path().empty() ? " (the pod's emptyDir named in volume_context socketVolume)" : "",
-      ", and its logs");
+  const bool was_served = ep->second.endpoint->served();
+  const std::string message =
+      was_served
+          // A server took the volume and stopped (a program that dies before it answers FUSE_INIT
+          // would leave the pod's reads waiting forever): the same bound as for a server that
+          // never comes.
+          ? absl::StrCat("the FUSE server stopped (", ep->second.gone_reason, ") and no server served volume ",
+                         volume_id, " again within ", absl::FormatDuration(options_.handoff_timeout),
+                         "; the mount now fails fast (ENOTCONN) until one does")
+          : absl::StrCat("no FUSE server connected to ", v->fuse().socket_path(), " within ",
+                         absl::FormatDuration(options_.handoff_timeout),
+                         "; the mount now fails fast (ENOTCONN) until one does. Check that the server (sidecar or "
+                         "node-level) runs as uid ",
+                         v->fuse().server_uid(), ", that it is given that socket path",
+                         v->staging_path().empty() ? " (the pod's emptyDir named in volume_context socketVolume)" : "",
+                         ", and its logs");
   ep->second.gone_reason = message;
-  host_.Event(*v, "Warning", "FuseServerNeverConnected", message);
+  host_.Event(*v, "Warning", was_served ? "FuseServerNotServing" : "FuseServerNeverConnected", message);
   const PathMounts mounts = MountsAt(*v, path);
   host_.RunClaimed(std::move(claim),
                    KindJob{"handoff timeout: abort the unserved connection",

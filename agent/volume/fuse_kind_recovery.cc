@@ -67,6 +67,11 @@ void FuseKind::OnServerGone(const std::string& volume_id, const std::string& pat
   // pod's volumes: a server that stops then is a pod going away, not a failure. So the Warning
   // waits for a short grace, and is dropped if the endpoint is stopped (unpublished) meanwhile.
   ++ep->second.gone_pending;
+  // If no server serves the volume again within handoff_timeout, it is given up on as if none
+  // had ever come (OnHandoffTimeout): the pod fails fast instead of waiting forever.
+  host_.loop().CancelTimer(ep->second.timeout);
+  ep->second.timeout = host_.loop().AddTimer(absl::ToChronoNanoseconds(options_.handoff_timeout),
+                                             [this, volume_id, path] { OnHandoffTimeout(volume_id, path); });
   const uint64_t serial = ep->second.serial;
   const std::string message = absl::StrCat("the FUSE server of volume ", volume_id, " stopped (", why.message(),
                                            "); the mount is kept open and waits for the server to come back");

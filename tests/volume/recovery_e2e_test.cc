@@ -500,6 +500,38 @@ TEST_F(RecoveryE2ETest, AServerBackWithinTheGraceIsNoWarning) {
   ASSERT_RPC_OK(Unpublish("back-1", target));
 }
 
+// Issue 19 item 3: a launched program that takes the connection and dies before it answers
+// FUSE_INIT left the pod's reads waiting forever. Now the volume is given up on within
+// --handoff_timeout_ms as if no server had come (ENOTCONN, a Warning quoting the program's last
+// words), and heals when a working server comes.
+TEST_F(RecoveryE2ETest, AProgramThatDiesBeforeServingFailsFastAndHealsLater) {
+  StartAgent({"--handoff_timeout_ms=1000"});
+  const std::string target = Pod("pod-die", "die-1");
+  ASSERT_RPC_OK(PublishInline("die-1", "pod-die", target));
+  const std::string socket = PodSocket("pod-die");
+  Subprocess* broken = StartServer(socket, {"launch", "--", "/bin/sh", "-c", "echo cannot reach the bucket >&2; exit 3"});
+  ASSERT_TRUE(broken->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(WaitForAgentLog("FuseServerNotServing")) << agent_->Stderr();
+  const std::string log = agent_->Stderr();
+  EXPECT_TRUE(absl::StrContains(log, "sh exited with status 3")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "its last words: cannot reach the bucket")) << log;
+  // Reads fail fast now instead of waiting forever.
+  auto failed = WithDeadline([&] {
+    int fd = open((target + "/hello.txt").c_str(), O_RDONLY | O_CLOEXEC);
+    const int err = fd < 0 ? errno : 0;
+    if (fd >= 0) close(fd);
+    return err;
+  });
+  ASSERT_TRUE(failed.has_value()) << "the read still hangs";
+  EXPECT_EQ(*failed, ENOTCONN);
+  // A working server heals it.
+  auto view = PodReader(target, "hello.txt");
+  Subprocess* good = StartServer(socket);
+  ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << good->Stderr() << agent_->Stderr();
+  view->Stop();
+  ASSERT_RPC_OK(Unpublish("die-1", target));
+}
+
 TEST_F(RecoveryE2ETest, PodsWhoseContainersRecoveryCannotReachAreNamed) {
   FakeKube& kube = StartKube();
   // Pod "web" mounts an inline volume of ours and a claim bound to a PV of ours; container
