@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_replace.h"
 #include "tests/volume/fuse_fixture.h"
 
@@ -32,7 +33,27 @@ struct Program {
   // What the agent must post as a FuseServerNotice (options the program asked for and did not
   // get), or "".
   const char* notice = "";
+  // The program's own server (sshd, an S3 endpoint), run as root for the test's length with $W
+  // and $PORT, and the line on its stderr that says it listens.
+  const char* server = "";
+  const char* server_ready = "";
 };
+
+// The S3 endpoint s3fs talks to: s3rver (npm), installed by scripts/setup.sh.
+constexpr char kS3rver[] = "/opt/fusekeeper-test-tools/node_modules/.bin/s3rver";
+
+// sshfs's server: an sshd of the test's own on 127.0.0.1:$PORT that lets uid 65534 (nobody) in
+// with a key, for SFTP only.
+constexpr char kSshdSetup[] =
+    "mkdir -p /run/sshd && ssh-keygen -q -t ed25519 -N '' -f $W/hostkey && ssh-keygen -q -t ed25519 -N '' -f $W/userkey"
+    " && cp $W/userkey.pub $W/authorized_keys && printf '%s\\n' 'ListenAddress 127.0.0.1' 'Port $PORT'"
+    " 'HostKey $W/hostkey' 'AuthorizedKeysFile $W/authorized_keys' 'UsePAM no'"
+    " 'StrictModes no' 'PasswordAuthentication no' 'AllowUsers nobody' 'Subsystem sftp internal-sftp'"
+    " 'ForceCommand internal-sftp' > $W/sshd_config";
+constexpr char kSshd[] = "exec /usr/sbin/sshd -D -e -f $W/sshd_config";
+#define SSHFS_ARGS                                                                                                 \
+  "sshfs", "-o", "IdentityFile=$W/userkey,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$PORT", \
+      "nobody@127.0.0.1:$W/src", "{mountpoint}"
 
 std::string ProgramName(const ::testing::TestParamInfo<Program>& info) {
   return absl::StrReplaceAll(info.param.name, {{"-", "_"}, {" ", "_"}});
@@ -67,6 +88,18 @@ const Program kPrograms[] = {
      {"gocryptfs", "-q", "-fg", "-passfile", "$W/pw", "$W/cipher", "/dev/fd/{fd}"}, true, true},
     {"rclone-mount", "/usr/bin/rclone", "", {"rclone", "--config", "/dev/null", "mount", "$W/src", "{mountpoint}"},
      true},
+    {"sshfs", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS}, true, false, "", "", kSshd, "Server listening on"},
+    {"sshfs-foreground", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS, "-f"}, true, false, "", "", kSshd,
+     "Server listening on"},
+    {"s3fs", "/usr/bin/s3fs", "echo S3RVER:S3RVER > $W/passwd && chmod 600 $W/passwd && mkdir $W/s3data",
+     {"s3fs", "demo", "{mountpoint}", "-o", "url=http://127.0.0.1:$PORT,use_path_request_style,passwd_file=$W/passwd"},
+     true, true, "", "", "exec $S3RVER -d $W/s3data -a 127.0.0.1 -p $PORT --configure-bucket demo 1>&2",
+     "S3rver listening"},
+    {"s3fs-foreground", "/usr/bin/s3fs", "echo S3RVER:S3RVER > $W/passwd && chmod 600 $W/passwd && mkdir $W/s3data",
+     {"s3fs", "-f", "demo", "{mountpoint}", "-o",
+      "url=http://127.0.0.1:$PORT,use_path_request_style,passwd_file=$W/passwd"},
+     true, true, "", "", "exec $S3RVER -d $W/s3data -a 127.0.0.1 -p $PORT --configure-bucket demo 1>&2",
+     "S3rver listening"},
     {"encfs", "/usr/bin/encfs", "mkdir $W/raw && echo secret > $W/pw",
      {"encfs", "-f", "--standard", "--extpass=cat $W/pw", "$W/raw", "{mountpoint}"}, true, true},
     {"ntfs-3g", "/usr/bin/ntfs-3g",
@@ -117,17 +150,29 @@ TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
   if (prog.cannot[0] != '\0') GTEST_SKIP() << prog.name << " cannot be served unprivileged: " << prog.cannot;
   if (access(prog.binary, X_OK) != 0) GTEST_SKIP() << prog.binary << " is not installed (scripts/setup.sh installs it)";
   const std::string w = root_.path() + "/work";
+  const std::string port = std::to_string(20000 + getpid() % 20000);
+  auto expand = [&](const std::string& text) {
+    return absl::StrReplaceAll(text, {{"$W", w}, {"$PORT", port}, {"$S3RVER", kS3rver}});
+  };
+  if (absl::StrContains(prog.server, "$S3RVER") && access(kS3rver, X_OK) != 0) {
+    GTEST_SKIP() << kS3rver << " is not installed (scripts/setup.sh installs s3rver from npm)";
+  }
   fs::create_directories(w + "/src");
   const std::string want = std::string("hello from ") + prog.name + "\n";
   { std::ofstream(w + "/src/hello.txt") << want; }
   if (prog.setup[0] != '\0') {
-    const std::string cmd = absl::StrReplaceAll(std::string("set -e; ") + prog.setup, {{"$W", w}});
+    const std::string cmd = expand(std::string("set -e; ") + prog.setup);
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   }
   ASSERT_EQ(std::system(("chown -R " + std::to_string(kServerUid) + ":" + std::to_string(kServerUid) + " " + w).c_str()),
             0);
   std::vector<std::string> launch = {"launch", "--"};
-  for (const auto& a : prog.args) launch.push_back(absl::StrReplaceAll(a, {{"$W", w}}));
+  for (const auto& a : prog.args) launch.push_back(expand(a));
+  std::unique_ptr<Subprocess> server;  // stopped when the test ends
+  if (prog.server[0] != '\0') {
+    server = std::make_unique<Subprocess>(std::vector<std::string>{"/bin/sh", "-c", expand(prog.server)});
+    ASSERT_TRUE(server->WaitForStderr(prog.server_ready, 1, std::chrono::milliseconds(20000))) << server->Stderr();
+  }
 
   StartAgent();
   const std::string target = Pod("pod-p", "prog");
