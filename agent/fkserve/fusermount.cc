@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "agent/base/unique_fd.h"
+#include "agent/fkserve/fusermount_protocol.h"
 
 namespace fusekeeper {
 namespace {
@@ -40,99 +41,7 @@ bool Harmless(absl::string_view name) {
   return false;
 }
 
-int Refuse(const std::string& why) {
-  fprintf(stderr, "fusermount (fkserve): %s\n", why.c_str());
-  return 1;
-}
-
-int EnvFd(const char* name) {
-  const char* text = getenv(name);
-  int fd = -1;
-  if (text == nullptr || !absl::SimpleAtoi(text, &fd) || fd < 0 || fcntl(fd, F_GETFD) < 0) return -1;
-  return fd;
-}
-
-// One message (SOCK_SEQPACKET), with `fd` attached if >= 0. Blocking.
-bool SendWithFd(int sock, const std::string& text, int fd) {
-  iovec iov{const_cast<char*>(text.data()), text.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (fd >= 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  }
-  ssize_t n;
-  do {
-    n = sendmsg(sock, &msg, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
-  return n == static_cast<ssize_t>(text.size());
-}
-
-// One message and the fd it carries (-1 if none). Blocking.
-bool ReceiveWithFd(int sock, std::string* text, int* fd) {
-  char buf[8192];
-  iovec iov{buf, sizeof(buf)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ssize_t n;
-  do {
-    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) return false;
-  *fd = -1;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int))) {
-      memcpy(fd, CMSG_DATA(c), sizeof(int));
-    }
-  }
-  text->assign(buf, static_cast<size_t>(n));
-  return true;
-}
-
-// Where the launcher answers: $FKSERVE_FUSERMOUNT_SOCKET, or, for a program that runs its
-// fusermount with an environment of its own (go-fuse passes only _FUSE_COMMFD), beside the bin
-// directory this link is in (found from argv[0], or on $PATH).
-std::string ServiceSocket(const char* argv0) {
-  if (const char* env = getenv(kServiceSocketEnv); env != nullptr && env[0] != '\0') return env;
-  auto beside = [](const std::string& link) -> std::string {
-    const size_t bin = link.rfind('/');
-    if (bin == std::string::npos) return "";
-    const size_t dir = link.rfind('/', bin == 0 ? 0 : bin - 1);
-    if (dir == std::string::npos) return "";
-    const std::string sock = link.substr(0, dir) + "/fusermount.sock";
-    struct stat st;
-    return stat(sock.c_str(), &st) == 0 && S_ISSOCK(st.st_mode) ? sock : "";
-  };
-  const std::string self = argv0 != nullptr ? argv0 : "";
-  if (self.find('/') != std::string::npos) return beside(self);
-  const char* path = getenv("PATH");
-  for (absl::string_view d : absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
-    const std::string candidate = absl::StrCat(d, "/", self);
-    if (access(candidate.c_str(), X_OK) != 0) continue;
-    if (std::string sock = beside(candidate); !sock.empty()) return sock;
-  }
-  return "";
-}
-
 }  // namespace
-
-bool IsFusermountName(const char* argv0) {
-  if (argv0 == nullptr) return false;
-  const char* base = strrchr(argv0, '/');
-  base = base == nullptr ? argv0 : base + 1;
-  return strcmp(base, "fusermount") == 0 || strcmp(base, "fusermount3") == 0;
-}
 
 OptionVerdict ClassifyMountOptions(const std::vector<std::string>& options, bool agent_read_only) {
   OptionVerdict v;
@@ -158,83 +67,6 @@ OptionVerdict ClassifyMountOptions(const std::vector<std::string>& options, bool
     }
   }
   return v;
-}
-
-int FusermountMain(int argc, char** argv) {
-  std::vector<std::string> options;
-  std::string mountpoint;
-  bool unmount = false, quiet = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-u") {
-      unmount = true;
-    } else if (a == "-q") {
-      quiet = true;
-    } else if (a == "-z" || a == "--auto-unmount") {
-      // -z: lazy unmount; --auto-unmount: unmount when the program dies. The agent owns the
-      // mount either way.
-    } else if (a == "-o" && i + 1 < argc) {
-      options.push_back(argv[++i]);
-    } else if (absl::StartsWith(a, "-o") && a.size() > 2) {
-      options.push_back(a.substr(2));
-    } else if (a == "-V" || a == "--version") {
-      printf("fusermount (fkserve): hands over the volume's FUSE connection instead of mounting\n");
-      return 0;
-    } else if (a == "-h" || a == "--help") {
-      printf("fusermount (fkserve) [-o options] [--] mountpoint | -u [-q] [-z] [--] mountpoint\n");
-      return 0;
-    } else if (a == "--") {
-      if (i + 1 < argc) mountpoint = argv[++i];
-    } else if (!a.empty() && a[0] != '-') {
-      mountpoint = a;
-    } else {
-      return Refuse(absl::StrCat("unknown argument '", a, "'"));
-    }
-  }
-  if (unmount) {
-    // The program ends its session: the mount is the agent's, and stays for the next server.
-    if (!quiet) fprintf(stderr, "fusermount (fkserve): not unmounting %s: the volume's mount is the agent's\n",
-                        mountpoint.c_str());
-    return 0;
-  }
-  if (mountpoint.empty()) return Refuse("no mountpoint given");
-  const int commfd = EnvFd("_FUSE_COMMFD");
-  int type = 0;
-  socklen_t type_len = sizeof(type);
-  if (commfd < 0 || getsockopt(commfd, SOL_SOCKET, SO_TYPE, &type, &type_len) != 0) {
-    return Refuse("_FUSE_COMMFD is not set to an open socket: not called by a FUSE library");
-  }
-  const std::string found = ServiceSocket(argv[0]);
-  const char* service = found.c_str();
-  if (found.empty()) {
-    return Refuse(absl::StrCat("no launcher to ask: ", kServiceSocketEnv,
-                               " is not set and this fusermount is not in a launcher's directory; run the program "
-                               "under `fkserve launch`"));
-  }
-  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (strlen(service) >= sizeof(addr.sun_path)) return Refuse(absl::StrCat(service, " is too long a socket path"));
-  strcpy(addr.sun_path, service);
-  if (!sock || connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return Refuse(absl::StrCat("cannot reach the launcher at ", service, ": ", strerror(errno)));
-  }
-  char real[PATH_MAX];
-  const std::string where = realpath(mountpoint.c_str(), real) != nullptr ? real : mountpoint;
-  std::string reply;
-  int fuse_fd = -1;
-  if (!SendWithFd(sock.get(), absl::StrCat("mount\n", where, "\n", absl::StrJoin(options, ",")), -1) ||
-      !ReceiveWithFd(sock.get(), &reply, &fuse_fd)) {
-    return Refuse(absl::StrCat("asking the launcher for the connection: ", strerror(errno)));
-  }
-  if (fuse_fd < 0) return Refuse(reply);
-  UniqueFd owned(fuse_fd);
-  // The handover, as fusermount does it: one data byte and the fd.
-  if (!SendWithFd(commfd, std::string(1, '\0'), fuse_fd)) {
-    return Refuse(absl::StrCat("handing over the connection on _FUSE_COMMFD: ", strerror(errno)));
-  }
-  if (!quiet) fprintf(stderr, "fusermount (fkserve): %s\n", reply.c_str());
-  return 0;
 }
 
 std::unique_ptr<FusermountService> FusermountService::Start(const std::string& socket_path, int fuse_fd,

@@ -1,4 +1,5 @@
 // fkserve's own fusermount: how an unmodified FUSE program is served on the agent's connection.
+// The fusermount itself is fkserve-fusermount (fusermount_main.cc); this is the launcher's side.
 //
 // A program that cannot mount by itself (an unprivileged container never can) asks `fusermount`
 // (libfuse2, bazil) or `fusermount3` (libfuse3, go-fuse) to mount its directory: it runs it with
@@ -6,12 +7,13 @@
 // environment, and receives the /dev/fuse fd back on that socket with SCM_RIGHTS (one data byte).
 // `fkserve launch` puts this fusermount first (PATH, and an LD_PRELOAD shim for the absolute path
 // libfuse execs first): instead of mounting, it answers with the connection the agent handed to
-// the launcher (FKSERVE_FUSE_FD, inherited). The options the program asked for are compared with
+// the launcher, which it asks for on the launcher's socket (FusermountService). The options the program asked for are compared with
 // what the agent mounted: harmless ones are accepted; ones that would change what the pod sees
-// or its security are reported (stderr, and the launcher's report to the agent), never silently
+// or its security are reported (stderr, and a notice to the agent: an Event), never silently
 // dropped. `fusermount -u` unmounts nothing: the agent owns the mount.
 //
-// Blocking; runs as its own process (argv[0] "fusermount"/"fusermount3", a link to fkserve).
+// A static binary, fkserve-fusermount, linked as fusermount and fusermount3 in the launcher's
+// private bin directory, so that it runs in any image it is copied into.
 #pragma once
 
 #include <functional>
@@ -21,12 +23,9 @@
 #include <thread>
 #include <vector>
 
-namespace fusekeeper {
+#include "agent/fkserve/fusermount_protocol.h"
 
-// Environment the launcher sets for the program (and so for its fusermount).
-inline constexpr char kFuseFdEnv[] = "FKSERVE_FUSE_FD";             // the connection (inherited fd; preload)
-inline constexpr char kServiceSocketEnv[] = "FKSERVE_FUSERMOUNT_SOCKET";  // where the launcher answers
-inline constexpr char kFusermountEnv[] = "FKSERVE_FUSERMOUNT";       // this shim's path (LD_PRELOAD shim)
+namespace fusekeeper {
 
 // What becomes of the mount options a program asks fusermount for.
 struct OptionVerdict {
@@ -35,11 +34,6 @@ struct OptionVerdict {
 };
 // `options`: the comma-separated -o argument(s). `agent_read_only`: how the agent mounted.
 OptionVerdict ClassifyMountOptions(const std::vector<std::string>& options, bool agent_read_only);
-
-// The fusermount entry point (argv as given to it). It asks the launcher's FusermountService
-// (FKSERVE_FUSERMOUNT_SOCKET) for the connection: a socket, not an inherited fd, because Go's
-// os/exec (go-fuse, bazil) closes every fd but the ones it passes. Returns the exit status.
-int FusermountMain(int argc, char** argv);
 
 // The launcher's side: answers fusermount requests on a socket of its own, on a thread of its
 // own, until destroyed. It hands the connection over once (a second mount is refused), and
@@ -72,8 +66,5 @@ class FusermountService {
   void AddProblem(const std::string& p);
   std::thread thread_;
 };
-
-// Whether argv[0] names fusermount (fkserve is run through links of that name).
-bool IsFusermountName(const char* argv0);
 
 }  // namespace fusekeeper

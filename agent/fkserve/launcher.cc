@@ -24,6 +24,7 @@
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/fusermount.h"
+#include "agent/fkserve/fusermount_protocol.h"
 
 namespace fusekeeper {
 namespace {
@@ -123,8 +124,8 @@ bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
   }
   for (const char* name : {"fusermount", "fusermount3"}) {
     const std::string link = absl::StrCat(d->bin, "/", name);
-    if (symlink(o.self_exe.c_str(), link.c_str()) != 0) {
-      *error = absl::StrCat("cannot link ", link, " to ", o.self_exe, ": ", strerror(errno));
+    if (symlink(o.fusermount.c_str(), link.c_str()) != 0) {
+      *error = absl::StrCat("cannot link ", link, " to ", o.fusermount, ": ", strerror(errno));
       return false;
     }
   }

@@ -35,7 +35,7 @@ struct LaunchOptions {
   // Where the launcher's private directory may be made, tried in order (a container's root may
   // be read-only; the pod's emptyDir holding the socket is not).
   std::vector<std::string> work_dirs = {"/tmp"};
-  std::string self_exe;              // fkserve itself: the fusermount links point at it
+  std::string fusermount;            // fkserve-fusermount: the fusermount links point at it
   std::string preload;               // libfkserve_preload.so ("": none)
   std::function<void(bool)> mark_ready;  // serving starts (true) / ends (false)
 };

@@ -30,7 +30,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
-#include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/launcher.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/handoff_protocol.h"
@@ -43,6 +42,9 @@ DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused
 DEFINE_string(work_dir, "",
               "launch: where the launcher makes its private directory (the program's mount point, "
               "fkserve's fusermount); default $TMPDIR, /tmp, else the socket's directory");
+DEFINE_string(fusermount, "auto",
+              "launch: fkserve-fusermount, linked as fusermount/fusermount3 for the program (auto: next to "
+              "fkserve)");
 DEFINE_string(preload, "auto",
               "launch: libfkserve_preload.so, preloaded into the program so that libfuse finds fkserve's "
               "fusermount (auto: next to fkserve; empty: none)");
@@ -105,8 +107,6 @@ int main(int argc, char** argv) {
       mode = a;
     }
   }
-  // Run through a link named fusermount/fusermount3 by a program `fkserve launch` started.
-  if (fusekeeper::IsFusermountName(argv[0])) return fusekeeper::FusermountMain(argc, argv);
   gflags::SetVersionString(fusekeeper::kVersion);
   gflags::SetUsageMessage(
       "fkserve --socket=<handoff socket> serve --root=<dir>\n"
@@ -178,17 +178,22 @@ int main(int argc, char** argv) {
     const char* tmpdir = getenv("TMPDIR");
     lo.work_dirs = {FLAGS_work_dir, tmpdir != nullptr ? tmpdir : "", "/tmp",
                     FLAGS_socket.substr(0, FLAGS_socket.rfind('/'))};
+    // Beside fkserve unless told (fkserve run through its own loader from a tools directory:
+    // /proc/self/exe is then the loader, so the webhook's sidecar passes both).
     char self[PATH_MAX];
     const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    if (len > 0) lo.self_exe.assign(self, static_cast<size_t>(len));
-    lo.preload = FLAGS_preload;
-    if (lo.preload == "auto") {
-      lo.preload = lo.self_exe.substr(0, lo.self_exe.rfind('/') + 1) + "libfkserve_preload.so";
-      if (access(lo.preload.c_str(), R_OK) != 0) {
-        fprintf(stderr, "fkserve: no %s: programs that exec the system's fusermount by its absolute path "
-                "(libfuse) will not find fkserve's\n", lo.preload.c_str());
-        lo.preload.clear();
-      }
+    const std::string exe = len > 0 ? std::string(self, static_cast<size_t>(len)) : "";
+    const std::string dir = exe.substr(0, exe.rfind('/') + 1);
+    lo.fusermount = FLAGS_fusermount == "auto" ? dir + "fkserve-fusermount" : FLAGS_fusermount;
+    if (access(lo.fusermount.c_str(), X_OK) != 0) {
+      fprintf(stderr, "fkserve: no %s: a program given {mountpoint} will find no fusermount of fkserve's "
+              "(set --fusermount)\n", lo.fusermount.c_str());
+    }
+    lo.preload = FLAGS_preload == "auto" ? dir + "libfkserve_preload.so" : FLAGS_preload;
+    if (!lo.preload.empty() && access(lo.preload.c_str(), R_OK) != 0) {
+      fprintf(stderr, "fkserve: no %s: programs that exec the system's fusermount by its absolute path "
+              "(libfuse) will not find fkserve's (set --preload)\n", lo.preload.c_str());
+      lo.preload.clear();
     }
     lo.mark_ready = MarkReady;
     return fusekeeper::Launch(std::move(sock), std::move(msg->fd), lo);

@@ -81,8 +81,10 @@ class FkserveTest : public ::testing::Test {
       const std::string copy = root_.path() + "/fkserve";
       fs::copy_file(binary, copy, fs::copy_options::overwrite_existing);
       // Its preload library goes beside it (the launcher looks for it there).
-      fs::copy_file(RunfilePath("agent/fkserve/libfkserve_preload.so"), root_.path() + "/libfkserve_preload.so",
-                    fs::copy_options::overwrite_existing);
+      for (const char* beside : {"libfkserve_preload.so", "fkserve-fusermount"}) {
+        fs::copy_file(RunfilePath(std::string("agent/fkserve/") + beside), root_.path() + "/" + beside,
+                      fs::copy_options::overwrite_existing);
+      }
       fs::permissions(copy, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec |
                                 fs::perms::group_read | fs::perms::others_read);
       binary = copy;

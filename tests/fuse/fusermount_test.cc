@@ -1,4 +1,4 @@
-// fkserve's fusermount and the launcher's FusermountService, with the real binary run as a FUSE
+// fkserve's fusermount and the launcher's FusermountService, with the real (static) binary run as a FUSE
 // library runs fusermount (argv[0] "fusermount3", _FUSE_COMMFD on fd 3): the connection arrives
 // on the library's socket; options are judged and reported; bad input (no or a garbage
 // _FUSE_COMMFD, junk on the launcher's socket, a second mount, unknown arguments) gets a clear
@@ -48,9 +48,9 @@ class FusermountTest : public ::testing::Test {
   void SetUp() override {
     fuse_ = open("/dev/fuse", O_RDWR | O_CLOEXEC);
     if (fuse_ < 0) GTEST_SKIP() << "cannot open /dev/fuse: " << strerror(errno);
-    // fkserve reached through a link named fusermount3, as a FUSE library finds it.
+    // fkserve-fusermount reached through a link named fusermount3, as a FUSE library finds it.
     fs::create_directories(dir_.path() + "/bin");
-    fs::create_symlink(RunfilePath("agent/fkserve/fkserve"), dir_.path() + "/bin/fusermount3");
+    fs::create_symlink(RunfilePath("agent/fkserve/fkserve-fusermount"), dir_.path() + "/bin/fusermount3");
     std::string error;
     service_ = FusermountService::Start(dir_.path() + "/fusermount.sock", fuse_, false, &error);
     ASSERT_NE(service_, nullptr) << error;

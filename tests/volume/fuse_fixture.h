@@ -76,9 +76,11 @@ class FuseE2ETest : public ::testing::Test {
     fkserve_ = root_.path() + "/fkserve";
     fs::copy_file(RunfilePath("agent/fkserve/fkserve"), fkserve_);
     chmod(fkserve_.c_str(), 0755);
-    // The launcher's preload library goes beside it (it looks for it there).
-    fs::copy_file(RunfilePath("agent/fkserve/libfkserve_preload.so"), root_.path() + "/libfkserve_preload.so");
-    chmod((root_.path() + "/libfkserve_preload.so").c_str(), 0755);
+    // The launcher's fusermount and preload library go beside it (it looks for them there).
+    for (const char* beside : {"libfkserve_preload.so", "fkserve-fusermount"}) {
+      fs::copy_file(RunfilePath(std::string("agent/fkserve/") + beside), root_.path() + "/" + beside);
+      chmod((root_.path() + "/" + beside).c_str(), 0755);
+    }
   }
   void TearDown() override {
     for (auto& s : servers_) s->Signal(SIGKILL);
