@@ -31,6 +31,7 @@
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/launcher.h"
+#include "agent/fkserve/tools.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/version.h"
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
   // The mode and the launched program come from the original argv: gflags reorders it, and
   // nothing after "--" may be mistaken for our own flags.
   std::string mode;
+  std::string mode_arg;  // install-tools <dir>
   std::vector<std::string> program;
   bool after_dashes = false;
   for (int i = 1; i < argc; ++i) {
@@ -105,16 +107,29 @@ int main(int argc, char** argv) {
       after_dashes = true;
     } else if (mode.empty() && a.rfind("-", 0) != 0) {
       mode = a;
+    } else if (mode_arg.empty() && a.rfind("-", 0) != 0) {
+      mode_arg = a;
     }
   }
   gflags::SetVersionString(fusekeeper::kVersion);
   gflags::SetUsageMessage(
       "fkserve --socket=<handoff socket> serve --root=<dir>\n"
       "fkserve --socket=<handoff socket> launch -- <program> [args with {fd}]\n"
-      "fkserve --ready_file=<file> ready   (a startupProbe: 0 once serving)");
+      "fkserve --ready_file=<file> ready   (a startupProbe: 0 once serving)\n"
+      "fkserve install-tools <dir>   (the launcher, its fusermount and libraries, for another image)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   HandleStopSignals(ExitOnStopSignal);
   if (mode.empty()) return Fail(2, gflags::ProgramUsage());
+  if (mode == "install-tools") {
+    if (mode_arg.empty()) return Fail(2, "install-tools needs a directory");
+    std::string loader;
+    if (auto s = fusekeeper::InstallToolsBlocking(mode_arg, &loader); !s.ok()) return Fail(1, std::string(s.message()));
+    printf("installed in %s: run %s/lib/%s --library-path %s/lib %s/fkserve --fusermount=%s/fkserve-fusermount "
+           "--preload=%s/libfkserve_preload.so ...\n",
+           mode_arg.c_str(), mode_arg.c_str(), loader.c_str(), mode_arg.c_str(), mode_arg.c_str(), mode_arg.c_str(),
+           mode_arg.c_str());
+    return 0;
+  }
   if (mode == "ready") {
     if (FLAGS_ready_file.empty()) return Fail(2, "ready needs --ready_file");
     if (access(FLAGS_ready_file.c_str(), F_OK) == 0) return 0;
