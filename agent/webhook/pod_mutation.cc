@@ -63,6 +63,7 @@ json Add(const std::string& path, json value) { return json{{"op", "add"}, {"pat
 struct ServerSettings {
   std::string image;
   std::vector<std::string> args;
+  std::vector<std::string> command;  // kCommandAnnotation: a program to run under fkserve launch
   std::string cpu_request, memory_request, memory_limit;
 };
 
@@ -89,6 +90,27 @@ std::optional<std::string> ReadServerSettings(const json& annotations, const Ser
                           " must be a JSON array of strings, e.g. [\"--socket=$(FUSEKEEPER_SOCKET)\", \"serve\"]");
     }
     out->args = parsed.get<std::vector<std::string>>();
+  }
+  if (const json* command = Member(annotations, kCommandAnnotation); command != nullptr) {
+    json parsed = command->is_string() ? json::parse(command->get<std::string>(), nullptr, /*allow_exceptions=*/false)
+                                       : json();
+    bool ok = parsed.is_array() && !parsed.empty() && parsed.size() <= 256;
+    for (const auto& a : parsed) ok = ok && a.is_string();
+    if (!ok) {
+      return absl::StrCat("annotation ", kCommandAnnotation,
+                          " must be a non-empty JSON array of strings: the FUSE program and its arguments, e.g. "
+                          "[\"s3fs\", \"mybucket\", \"{mountpoint}\", \"-f\"]");
+    }
+    if (Member(annotations, kImageAnnotation) == nullptr) {
+      return absl::StrCat("annotation ", kCommandAnnotation, " needs ", kImageAnnotation,
+                          ": the image that has the program");
+    }
+    if (Member(annotations, kArgsAnnotation) != nullptr) {
+      return absl::StrCat("annotations ", kCommandAnnotation, " and ", kArgsAnnotation,
+                          " exclude each other: the command is run under fkserve launch, whose arguments the webhook "
+                          "sets");
+    }
+    out->command = parsed.get<std::vector<std::string>>();
   }
   for (auto [key, field] : {std::pair{kCpuRequestAnnotation, &out->cpu_request},
                             std::pair{kMemoryRequestAnnotation, &out->memory_request},
@@ -239,6 +261,7 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
     }
     std::vector<json> new_containers, new_volumes;
     bool any_new = false;
+    bool tools_added = false;
     for (const std::string& volume : inline_fuse) {
       const std::string container_name = BoundedName(kServerPrefix, volume);
       if (init_names.count(container_name) > 0) continue;  // injected at an earlier admission
@@ -321,7 +344,43 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
           {"resources", json{{"requests", json{{"cpu", settings.cpu_request}, {"memory", settings.memory_request}}},
                              {"limits", json{{"memory", settings.memory_limit}}}}},
       };
-      if (settings.image == policy.server.image) {
+      if (!settings.command.empty()) {
+        // The user's image runs its FUSE program under fkserve launch, run from the tools the
+        // init container copied, through their own loader: nothing of the image's is needed.
+        const std::string lib = absl::StrCat(kToolsDir, "/lib");
+        const json fkserve = json::array({absl::StrCat(lib, "/", kToolsLoader), "--library-path", lib,
+                                          absl::StrCat(kToolsDir, "/fkserve")});
+        container["command"] = fkserve;
+        json args = json::array({"--socket=$(FUSEKEEPER_SOCKET)", "--ready_file=$(FUSEKEEPER_READY_FILE)",
+                                 absl::StrCat("--fusermount=", kToolsDir, "/fkserve-fusermount"),
+                                 absl::StrCat("--preload=", kToolsDir, "/libfkserve_preload.so"), "launch", "--"});
+        for (const auto& a : settings.command) args.push_back(a);
+        container["args"] = std::move(args);
+        container["volumeMounts"].push_back(json{{"name", kToolsContainer}, {"mountPath", kToolsDir}, {"readOnly", true}});
+        json probe = fkserve;
+        probe.push_back(absl::StrCat("--ready_file=", kReadyFile));
+        probe.push_back("ready");
+        container["startupProbe"] = json{{"exec", json{{"command", probe}}}, {"periodSeconds", 1}, {"failureThreshold", 300}};
+        if (!tools_added && init_names.count(kToolsContainer) == 0) {
+          // Once per pod, before every server: copies the launcher out of the fkserve image.
+          tools_added = true;
+          new_volumes.push_back(json{{"name", kToolsContainer}, {"emptyDir", json{{"sizeLimit", "128Mi"}}}});
+          new_containers.insert(
+              new_containers.begin(),
+              json{{"name", kToolsContainer},
+                   {"image", policy.server.image},
+                   {"command", json::array({policy.fkserve_path, "install-tools", kToolsDir})},
+                   {"volumeMounts", json::array({json{{"name", kToolsContainer}, {"mountPath", kToolsDir}}})},
+                   {"securityContext", json{{"runAsUser", uid},
+                                            {"runAsGroup", gid},
+                                            {"runAsNonRoot", true},
+                                            {"readOnlyRootFilesystem", true},
+                                            {"allowPrivilegeEscalation", false},
+                                            {"capabilities", json{{"drop", json::array({"ALL"})}}}}},
+                   {"resources", json{{"requests", json{{"cpu", "10m"}, {"memory", "16Mi"}}},
+                                      {"limits", json{{"memory", "64Mi"}}}}}});
+        }
+      } else if (settings.image == policy.server.image) {
         // The app starts once the volume is served: creating it stats the mount, which would
         // otherwise wait for the server.
         container["startupProbe"] = json{

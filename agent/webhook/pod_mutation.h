@@ -29,6 +29,11 @@ namespace fusekeeper::webhook {
 inline constexpr char kInjectAnnotation[] = "fusekeeper.csi/inject-server";         // "true" | "false"
 inline constexpr char kImageAnnotation[] = "fusekeeper.csi/server-image";
 inline constexpr char kArgsAnnotation[] = "fusekeeper.csi/server-args";             // JSON array of strings
+// An ordinary FUSE program in the server image (JSON array: the program and its arguments, with
+// {mountpoint} or /dev/fd/{fd}): the sidecar runs it under fkserve launch, which an init
+// container copies from the fkserve image (`fkserve install-tools`), so the image needs nothing
+// of ours. Needs kImageAnnotation; excludes kArgsAnnotation.
+inline constexpr char kCommandAnnotation[] = "fusekeeper.csi/server-command";
 inline constexpr char kCpuRequestAnnotation[] = "fusekeeper.csi/server-cpu-request";
 inline constexpr char kMemoryRequestAnnotation[] = "fusekeeper.csi/server-memory-request";
 inline constexpr char kMemoryLimitAnnotation[] = "fusekeeper.csi/server-memory-limit";
@@ -39,6 +44,12 @@ inline constexpr char kPropagationKeptAnnotation[] = "fusekeeper.csi/propagation
 inline constexpr char kServerPrefix[] = "fusekeeper-server-";
 // Where the injected server sees the socket's emptyDir.
 inline constexpr char kSocketDir[] = "/fusekeeper";
+// The init container that copies fkserve's launcher into kToolsDir (an emptyDir of that name),
+// for servers that run the user's own image (kCommandAnnotation).
+inline constexpr char kToolsContainer[] = "fusekeeper-tools";
+inline constexpr char kToolsDir[] = "/fusekeeper-tools";
+// The dynamic loader `fkserve install-tools` copies (amd64 nodes).
+inline constexpr char kToolsLoader[] = "ld-linux-x86-64.so.2";
 
 struct ServerDefaults {
   std::string image = "fusekeeper/fkserve:0.1.0";

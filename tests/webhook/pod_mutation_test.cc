@@ -134,6 +134,9 @@ TEST(PodMutationTest, BadRequestsAreDeniedSayingWhatIsWrong) {
       {"fusekeeper.csi/server-args", "[1,2]", "JSON array of strings"},
       {"fusekeeper.csi/server-memory-limit", "lots", "quantity"},
       {"fusekeeper.csi/server-image", "", "container image"},
+      {"fusekeeper.csi/server-command", "s3fs bucket", "non-empty JSON array of strings"},
+      {"fusekeeper.csi/server-command", "[]", "non-empty JSON array of strings"},
+      {"fusekeeper.csi/server-command", "[\"s3fs\"]", "needs fusekeeper.csi/server-image"},
   };
   for (const auto& c : cases) {
     json pod = Recorded("inline_fuse_opt_in.json");
@@ -192,6 +195,50 @@ TEST(PodMutationTest, ThePodsOwnServerSettingsAndSocketVolumeAreUsed) {
   bool socket_env = false;
   for (const auto& e : server["env"]) socket_env = socket_env || e["value"] == "/fusekeeper/s3.sock";
   EXPECT_TRUE(socket_env);
+}
+
+// Issue 19 item 4: an ordinary FUSE program in the user's own image runs under fkserve launch,
+// which an init container copies from the fkserve image; the image needs nothing of ours.
+TEST(PodMutationTest, AProgramInTheUsersOwnImageRunsUnderTheLauncherFromTheToolsVolume) {
+  json pod = Recorded("inline_fuse_opt_in.json");
+  auto& ann = pod["metadata"]["annotations"];
+  ann["fusekeeper.csi/server-image"] = "registry.example/s3fs:1.90";
+  ann["fusekeeper.csi/server-command"] = R"json(["s3fs", "models", "{mountpoint}", "-f", "-o", "url=https://s3.example"])json";
+  const Mutation m = MutatePod(pod, Policy{}, ClaimInfo{});
+  ASSERT_FALSE(m.denied.has_value()) << *m.denied;
+  const json out = Patched(pod, m);
+  // The tools first, then the server, then the pod's own init container.
+  ASSERT_EQ(out["spec"]["initContainers"].size(), 3u);
+  const json& tools = out["spec"]["initContainers"][0];
+  EXPECT_EQ(tools["name"], "fusekeeper-tools");
+  EXPECT_EQ(tools["image"], "fusekeeper/fkserve:0.1.0");
+  EXPECT_FALSE(tools.contains("restartPolicy")) << "runs to completion before the server starts";
+  EXPECT_EQ(tools["command"], json::array({"/usr/local/bin/fkserve", "install-tools", "/fusekeeper-tools"}));
+  EXPECT_EQ(tools["securityContext"]["runAsNonRoot"], true);
+  const json& server = out["spec"]["initContainers"][1];
+  EXPECT_EQ(server["name"], "fusekeeper-server-data");
+  EXPECT_EQ(server["image"], "registry.example/s3fs:1.90");
+  EXPECT_EQ(server["command"], json::array({"/fusekeeper-tools/lib/ld-linux-x86-64.so.2", "--library-path",
+                                            "/fusekeeper-tools/lib", "/fusekeeper-tools/fkserve"}));
+  EXPECT_EQ(server["args"],
+            json::array({"--socket=$(FUSEKEEPER_SOCKET)", "--ready_file=$(FUSEKEEPER_READY_FILE)",
+                         "--fusermount=/fusekeeper-tools/fkserve-fusermount",
+                         "--preload=/fusekeeper-tools/libfkserve_preload.so", "launch", "--", "s3fs", "models",
+                         "{mountpoint}", "-f", "-o", "url=https://s3.example"}));
+  bool tools_mounted = false;
+  for (const auto& vm : server["volumeMounts"]) {
+    tools_mounted = tools_mounted || (vm["name"] == "fusekeeper-tools" && vm["readOnly"] == true);
+  }
+  EXPECT_TRUE(tools_mounted);
+  const json& probe = server["startupProbe"]["exec"]["command"];
+  EXPECT_EQ(probe.back(), "ready");
+  EXPECT_EQ(probe[3], "/fusekeeper-tools/fkserve");
+  ASSERT_NE(Volume(out, "fusekeeper-tools"), nullptr);
+  EXPECT_TRUE((*Volume(out, "fusekeeper-tools")).contains("emptyDir"));
+  // Admitted again (reinvocation): nothing more is added.
+  const Mutation again = MutatePod(out, Policy{}, ClaimInfo{});
+  ASSERT_FALSE(again.denied.has_value());
+  EXPECT_EQ(Patched(out, again)["spec"]["initContainers"].size(), 3u);
 }
 
 TEST(PodMutationTest, LongVolumeNamesGiveDistinctValidNames) {
