@@ -231,7 +231,11 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     setenv(kFuseFdEnv, std::to_string(inherit).c_str(), 1);
     setenv(kServiceSocketEnv, dir.socket.c_str(), 1);
     setenv(kFusermountEnv, absl::StrCat(dir.bin, "/fusermount3").c_str(), 1);
-    if (!o.preload.empty()) {
+    // A program given /dev/fd/{fd} mounts nothing: it needs no fusermount, and no library in its
+    // way (a sanitized program must load its runtime first).
+    bool given_fd = false;
+    for (const std::string& a : o.program) given_fd = given_fd || a.find("{fd}") != std::string::npos;
+    if (!o.preload.empty() && !given_fd) {
       const char* old = getenv("LD_PRELOAD");
       setenv("LD_PRELOAD", old != nullptr && old[0] ? absl::StrCat(o.preload, ":", old).c_str() : o.preload.c_str(), 1);
     }
