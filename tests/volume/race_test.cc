@@ -65,8 +65,9 @@ class RaceTest : public FuseE2ETest {
 
 TEST_F(RaceTest, ThirtyTwoThreadsOnOneVolumeNeverWedgeItsQueue) {
   const int seconds = getenv("FUSEKEEPER_RACE_SECONDS") ? atoi(getenv("FUSEKEEPER_RACE_SECONDS")) : 8;
-  // A wedged queue answers ABORTED after this; every operation here takes milliseconds.
-  StartAgent({"--max_queue_wait_ms=5000"});
+  // A wedged queue answers ABORTED after this (a wedge is for good: every later RPC on the volume
+  // waits it out); every operation here takes milliseconds, even under a sanitizer and load.
+  StartAgent({"--max_queue_wait_ms=15000"});
   std::vector<Volume> volumes = {{"race-hostPath", StagingPath("race-hostPath"), {}, false},
                                  {"race-fuse", StagingPath("race-fuse"), {}, true}};
   for (auto& v : volumes) {
