@@ -383,6 +383,29 @@ absl::Status ForgetUnknownPathBlocking(const VolumeOpsContext& ctx, const std::s
   return absl::OkStatus();
 }
 
+namespace {
+// a * b, or INT64_MAX if that does not fit (CSI's usage fields are int64).
+int64_t SaturatingProduct(uint64_t a, uint64_t b) {
+  unsigned __int128 p = static_cast<unsigned __int128>(a) * b;
+  return p > static_cast<unsigned __int128>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(p);
+}
+int64_t Clamped(uint64_t v) { return v > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(v); }
+}  // namespace
+
+StatfsUsage UsageOf(const struct statfs& sf) {
+  const uint64_t unit = static_cast<uint64_t>(sf.f_frsize ? sf.f_frsize : sf.f_bsize);
+  const uint64_t blocks = sf.f_blocks, bfree = sf.f_bfree, bavail = sf.f_bavail;
+  const uint64_t files = sf.f_files, ffree = sf.f_ffree;
+  StatfsUsage u;
+  u.total_bytes = SaturatingProduct(blocks, unit);
+  u.available_bytes = SaturatingProduct(bavail, unit);
+  u.used_bytes = SaturatingProduct(blocks >= bfree ? blocks - bfree : 0, unit);
+  u.total_inodes = Clamped(files);
+  u.available_inodes = Clamped(ffree);
+  u.used_inodes = Clamped(files >= ffree ? files - ffree : 0);
+  return u;
+}
+
 absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOpsContext& ctx,
                                                                   const std::string& path,
                                                                   const PathMounts& mounts) {
@@ -417,17 +440,17 @@ absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOp
         absl::StrCat("statfs ", path, " failed: ", strerror(errno)));
     return resp;
   }
-  const int64_t unit = static_cast<int64_t>(sf.f_frsize ? sf.f_frsize : sf.f_bsize);
+  const StatfsUsage u = UsageOf(sf);
   auto* bytes = resp.add_usage();
   bytes->set_unit(csi::v1::VolumeUsage::BYTES);
-  bytes->set_total(static_cast<int64_t>(sf.f_blocks) * unit);
-  bytes->set_available(static_cast<int64_t>(sf.f_bavail) * unit);
-  bytes->set_used(static_cast<int64_t>(sf.f_blocks - sf.f_bfree) * unit);
+  bytes->set_total(u.total_bytes);
+  bytes->set_available(u.available_bytes);
+  bytes->set_used(u.used_bytes);
   auto* inodes = resp.add_usage();
   inodes->set_unit(csi::v1::VolumeUsage::INODES);
-  inodes->set_total(static_cast<int64_t>(sf.f_files));
-  inodes->set_available(static_cast<int64_t>(sf.f_ffree));
-  inodes->set_used(static_cast<int64_t>(sf.f_files - sf.f_ffree));
+  inodes->set_total(u.total_inodes);
+  inodes->set_available(u.available_inodes);
+  inodes->set_used(u.used_inodes);
   resp.mutable_volume_condition()->set_abnormal(false);
   resp.mutable_volume_condition()->set_message("mounted");
   return resp;

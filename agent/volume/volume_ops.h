@@ -4,6 +4,8 @@
 // identity is recorded, so a kill -9 between any two steps is repaired by Reconcile at start-up.
 #pragma once
 
+#include <sys/statfs.h>
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,6 +69,15 @@ absl::Status ForgetUnknownPathBlocking(const VolumeOpsContext& ctx, const std::s
 absl::StatusOr<csi::v1::NodeGetVolumeStatsResponse> StatsBlocking(const VolumeOpsContext& ctx,
                                                                   const std::string& path,
                                                                   const PathMounts& mounts);
+
+// statfs numbers as CSI's int64 usage fields: products that do not fit (a FUSE server may say
+// "2^40 blocks of 16 MiB", s3fs does) are INT64_MAX, never an overflow; a free count above the
+// total is used 0.
+struct StatfsUsage {
+  int64_t total_bytes = 0, available_bytes = 0, used_bytes = 0;
+  int64_t total_inodes = 0, available_inodes = 0, used_inodes = 0;
+};
+StatfsUsage UsageOf(const struct statfs& sf);
 
 // After a start-up: gives every recorded mount identity of `v` (staging and targets, top and
 // base) the ids of this agent's mount namespace (ReidentifyBlocking; a restarted agent's

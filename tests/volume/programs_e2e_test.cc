@@ -212,7 +212,10 @@ TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
   std::cout << "RESULT " << prog.name << ": healed " << healed->count() / 1000 << " ms after kill -9 (the next "
             << "launcher started at once), " << view->errors_after_mark() << " failed reads (one every 20 ms)\n";
   view->Stop();
-  ASSERT_RPC_OK(Unpublish("prog", target));
+  {
+    grpc::Status s = Unpublish("prog", target);
+    ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
+  }
   EXPECT_EQ(MountCountAt(target), 0);
   ASSERT_TRUE(again->Wait(std::chrono::milliseconds(20000)).has_value()) << "the program ends with its volume\n"
                                                                          << again->Stderr();
