@@ -43,6 +43,22 @@ TEST(ClassifyMountOptionsTest, HarmlessAcceptedTheRestReportedWithWhy) {
   EXPECT_EQ(v.accepted, std::vector<std::string>{"ro"});
 }
 
+// What gets copied into other people's images must run there: the fusermount is static, and the
+// preload library needs nothing but libc (on a real node it was loaded into a user's bindfs image
+// that had no libstdc++, and bindfs could not start).
+TEST(CopiedIntoOtherImagesTest, FusermountIsStaticAndThePreloadLibraryNeedsOnlyLibc) {
+  Subprocess preload({"/bin/sh", "-c", "/usr/bin/ldd " + RunfilePath("agent/fkserve/libfkserve_preload.so") + " >&2"});
+  ASSERT_TRUE(preload.Wait(std::chrono::milliseconds(20000)).has_value());
+  const std::string deps = preload.Stderr();
+  for (const char* line : {"libstdc++", "libgcc_s", "libm.so", "libabsl", "libfuse"}) {
+    EXPECT_FALSE(absl::StrContains(deps, line)) << line << " in\n" << deps;
+  }
+  EXPECT_TRUE(absl::StrContains(deps, "libc.so.6")) << deps;
+  Subprocess is_static({"/bin/sh", "-c", "/usr/bin/ldd " + RunfilePath("agent/fkserve/fkserve-fusermount") + " >&2"});
+  ASSERT_TRUE(is_static.Wait(std::chrono::milliseconds(20000)).has_value());
+  EXPECT_TRUE(absl::StrContains(is_static.Stderr(), "not a dynamic executable")) << is_static.Stderr();
+}
+
 class FusermountTest : public ::testing::Test {
  protected:
   void SetUp() override {
