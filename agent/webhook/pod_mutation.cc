@@ -60,6 +60,16 @@ std::optional<uint32_t> ParseUid(const std::string& s) {
 json Add(const std::string& path, json value) { return json{{"op", "add"}, {"path", path}, {"value", std::move(value)}}; }
 
 // The server settings a pod's annotations ask for, validated.
+// What every container the webhook adds runs as: the given user, no privileges, a read-only root.
+json Unprivileged(uint32_t uid, uint32_t gid) {
+  return json{{"runAsUser", uid},
+              {"runAsGroup", gid},
+              {"runAsNonRoot", true},
+              {"readOnlyRootFilesystem", true},
+              {"allowPrivilegeEscalation", false},
+              {"capabilities", json{{"drop", json::array({"ALL"})}}}};
+}
+
 struct ServerSettings {
   std::string image;
   std::vector<std::string> args;
@@ -335,12 +345,7 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
                                json{{"name", "FUSEKEEPER_READY_FILE"}, {"value", kReadyFile}},
                                json{{"name", "FUSEKEEPER_VOLUME"}, {"value", volume}}})},
           {"volumeMounts", json::array({json{{"name", socket_volume}, {"mountPath", kSocketDir}}})},
-          {"securityContext", json{{"runAsUser", uid},
-                                   {"runAsGroup", gid},
-                                   {"runAsNonRoot", true},
-                                   {"readOnlyRootFilesystem", true},
-                                   {"allowPrivilegeEscalation", false},
-                                   {"capabilities", json{{"drop", json::array({"ALL"})}}}}},
+          {"securityContext", Unprivileged(uid, gid)},
           {"resources", json{{"requests", json{{"cpu", settings.cpu_request}, {"memory", settings.memory_request}}},
                              {"limits", json{{"memory", settings.memory_limit}}}}},
       };
@@ -371,12 +376,7 @@ Mutation Mutate(const json& pod, const Policy& policy, const ClaimInfo& claims) 
                    {"image", policy.server.image},
                    {"command", json::array({policy.fkserve_path, "install-tools", kToolsDir})},
                    {"volumeMounts", json::array({json{{"name", kToolsContainer}, {"mountPath", kToolsDir}}})},
-                   {"securityContext", json{{"runAsUser", uid},
-                                            {"runAsGroup", gid},
-                                            {"runAsNonRoot", true},
-                                            {"readOnlyRootFilesystem", true},
-                                            {"allowPrivilegeEscalation", false},
-                                            {"capabilities", json{{"drop", json::array({"ALL"})}}}}},
+                   {"securityContext", Unprivileged(uid, gid)},
                    {"resources", json{{"requests", json{{"cpu", "10m"}, {"memory", "16Mi"}}},
                                       {"limits", json{{"memory", "64Mi"}}}}}});
         }

@@ -62,6 +62,29 @@ class InjectedPodTest : public FuseE2ETest {
     }));
     return servers_.back().get();
   }
+  // kubelet for the patched pod's inline volume: the pod's emptyDirs, then NodePublishVolume with
+  // the patched volumeAttributes. Sets the socket emptyDir's and the target's paths on the node.
+  void PublishAsKubelet(const json& pod, const std::string& uid, const std::string& volume_id, std::string* empty_dir,
+                        std::string* target) {
+    const json& attrs = pod["spec"]["volumes"][1]["csi"]["volumeAttributes"];
+    *empty_dir = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/" +
+                 attrs["socketVolume"].get<std::string>();
+    fs::create_directories(*empty_dir);
+    chmod(empty_dir->c_str(), 0777);  // as kubelet makes emptyDirs
+    fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data");
+    *target = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data/mount";
+    NodePublishVolumeRequest r;
+    r.set_volume_id(volume_id);
+    r.set_target_path(*target);
+    *r.mutable_volume_capability() = MountCapability();
+    for (const auto& [k, v] : attrs.items()) (*r.mutable_volume_context())[k] = v.get<std::string>();
+    (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = uid;
+    (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
+    NodePublishVolumeResponse resp;
+    auto c = Ctx();
+    grpc::Status published = node_->NodePublishVolume(c.get(), r, &resp);
+    ASSERT_TRUE(published.ok()) << published.error_message() << agent_->Stderr();
+  }
   // Runs the sidecar's startupProbe until it passes (as kubelet does, periodSeconds apart; here
   // back to back, bounded by the test deadline).
   bool StartupProbePasses(const json& server, const std::string& socket_dir_on_node) {
@@ -85,25 +108,8 @@ TEST_F(InjectedPodTest, AnOptedInPodIsServedByItsInjectedSidecarAndSurvivesItsCr
   const json pod = authored.patch(m.patch);
 
   // kubelet: the pod's emptyDirs, then NodePublishVolume with the patched volumeAttributes.
-  const std::string uid = "injected-pod-uid";
-  const json& attrs = pod["spec"]["volumes"][1]["csi"]["volumeAttributes"];
-  const std::string socket_volume = attrs["socketVolume"];
-  const std::string empty_dir = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/" + socket_volume;
-  fs::create_directories(empty_dir);
-  chmod(empty_dir.c_str(), 0777);  // as kubelet makes emptyDirs
-  fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data");
-  const std::string target = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data/mount";
-  NodePublishVolumeRequest r;
-  r.set_volume_id("csi-injected-1");
-  r.set_target_path(target);
-  *r.mutable_volume_capability() = MountCapability();
-  for (const auto& [k, v] : attrs.items()) (*r.mutable_volume_context())[k] = v.get<std::string>();
-  (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = uid;
-  (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
-  NodePublishVolumeResponse resp;
-  auto c = Ctx();
-  grpc::Status published = node_->NodePublishVolume(c.get(), r, &resp);
-  ASSERT_TRUE(published.ok()) << published.error_message() << agent_->Stderr();
+  std::string empty_dir, target;
+  ASSERT_NO_FATAL_FAILURE(PublishAsKubelet(pod, "injected-pod-uid", "csi-injected-1", &empty_dir, &target));
 
   // The runtime: the injected native sidecar first, the app once its startupProbe passes. The
   // sidecar sees the emptyDir at /fusekeeper; here at a short path that leads there (the node's
@@ -147,24 +153,8 @@ TEST_F(InjectedPodTest, AProgramInTheUsersOwnImageIsServedThroughTheCopiedLaunch
   const webhook::Mutation m = webhook::MutatePod(authored, webhook::Policy{}, webhook::ClaimInfo{});
   ASSERT_FALSE(m.denied.has_value()) << *m.denied;
   const json pod = authored.patch(m.patch);
-  const std::string uid = "tools-pod-uid";
-  const json& attrs = pod["spec"]["volumes"][1]["csi"]["volumeAttributes"];
-  const std::string empty_dir = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/" +
-                                attrs["socketVolume"].get<std::string>();
-  fs::create_directories(empty_dir);
-  chmod(empty_dir.c_str(), 0777);
-  fs::create_directories(kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data");
-  const std::string target = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~csi/data/mount";
-  NodePublishVolumeRequest r;
-  r.set_volume_id("csi-tools-1");
-  r.set_target_path(target);
-  *r.mutable_volume_capability() = MountCapability();
-  for (const auto& [k, v] : attrs.items()) (*r.mutable_volume_context())[k] = v.get<std::string>();
-  (*r.mutable_volume_context())["csi.storage.k8s.io/pod.uid"] = uid;
-  (*r.mutable_volume_context())["csi.storage.k8s.io/ephemeral"] = "true";
-  NodePublishVolumeResponse resp;
-  auto c = Ctx();
-  ASSERT_TRUE(node_->NodePublishVolume(c.get(), r, &resp).ok()) << agent_->Stderr();
+  std::string empty_dir, target;
+  ASSERT_NO_FATAL_FAILURE(PublishAsKubelet(pod, "tools-pod-uid", "csi-tools-1", &empty_dir, &target));
   // The runtime: the tools init container (the fkserve image: this test's copy of fkserve, with
   // its fusermount and preload library beside it) into the pod's tools emptyDir.
   const json& tools = pod["spec"]["initContainers"][0];
