@@ -1,7 +1,5 @@
 #include "agent/fkserve/agent_link.h"
 
-#include <pthread.h>
-#include <signal.h>
 
 #include <errno.h>
 #include <poll.h>
@@ -15,6 +13,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "agent/fkserve/stop_signals.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/version.h"
 
@@ -57,13 +56,8 @@ AgentLink::~AgentLink() {
 
 void AgentLink::Start() {
   // Stop signals (SIGTERM from kubelet) go to the serving thread, whose blocking read they must
-  // interrupt: the link's thread never takes them (it inherits this mask).
-  sigset_t stop, old;
-  sigemptyset(&stop);
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
-  pthread_sigmask(SIG_BLOCK, &stop, &old);
-  thread_ = std::thread([this] { Run(); });
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  // interrupt.
+  thread_ = StartWithoutStopSignals([this] { Run(); });
 }
 
 void AgentLink::Report(bool ok, const std::string& error) {

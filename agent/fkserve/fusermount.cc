@@ -23,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "agent/base/unique_fd.h"
 #include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/stop_signals.h"
 
 namespace fusekeeper {
 namespace {
@@ -90,12 +91,7 @@ std::unique_ptr<FusermountService> FusermountService::Start(const std::string& s
   }
   s->fuse_fd_ = fcntl(fuse_fd, F_DUPFD_CLOEXEC, 3);
   // Stop signals are for the launcher's main thread (they interrupt its wait).
-  sigset_t stop, prev;
-  sigemptyset(&stop);
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
-  pthread_sigmask(SIG_BLOCK, &stop, &prev);
-  s->thread_ = std::thread([raw = s.get()] { raw->Run(); });
-  pthread_sigmask(SIG_SETMASK, &prev, nullptr);
+  s->thread_ = StartWithoutStopSignals([raw = s.get()] { raw->Run(); });
   return s;
 }
 

@@ -25,6 +25,7 @@
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/stop_signals.h"
 
 namespace fusekeeper {
 namespace {
@@ -32,14 +33,6 @@ namespace {
 volatile sig_atomic_t pending_stop_signal = 0;
 void RecordStopSignal(int sig) { pending_stop_signal = sig; }
 
-// Without SA_RESTART: a wait is interrupted, and the launcher passes the signal on.
-void CatchStopSignals() {
-  struct sigaction sa {};
-  sa.sa_handler = RecordStopSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = 0;
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaction(sig, &sa, nullptr);
-}
 
 // A pid as /proc shows it, as this process's pid namespace numbers it: the last NSpid entry. (A
 // /proc mounted for another pid namespace, e.g. an outer one, numbers processes its own way.)
@@ -136,14 +129,7 @@ bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
 // for the report to the agent, so that its Event says why a program stopped.
 class StderrTail {
  public:
-  explicit StderrTail(int fd) : fd_(fd) {
-    sigset_t stop, old;
-    sigemptyset(&stop);
-    for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, sig);
-    pthread_sigmask(SIG_BLOCK, &stop, &old);
-    thread_ = std::thread([this] { Run(); });
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  }
+  explicit StderrTail(int fd) : fd_(fd), thread_(StartWithoutStopSignals([this] { Run(); })) {}
   ~StderrTail() {
     if (thread_.joinable()) thread_.join();
   }
@@ -244,9 +230,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     // library like any other program. A container with allowPrivilegeEscalation: false has this
     // already.
     prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGINT, SIG_DFL);
-    signal(SIGHUP, SIG_DFL);
+    for (int sig : kStopSignals) signal(sig, SIG_DFL);
     std::vector<char*> argv;
     for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -255,7 +239,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     (void)!write(p[1], &err, sizeof(err));
     _exit(127);
   }
-  CatchStopSignals();
+  // Without SA_RESTART: the wait is interrupted, and the launcher passes the signal on.
+  HandleStopSignals(RecordStopSignal, /*restart=*/false);
   close(p[1]);
   close(err_pipe[1]);
   close(inherit);

@@ -31,6 +31,7 @@
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/launcher.h"
+#include "agent/fkserve/stop_signals.h"
 #include "agent/fkserve/tools.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/handoff_protocol.h"
@@ -60,13 +61,6 @@ namespace {
 // without these kubelet's SIGTERM would be waited out for the pod's whole grace period.
 void ExitOnStopSignal(int sig) { _exit(128 + sig); }
 
-void HandleStopSignals(void (*handler)(int)) {
-  struct sigaction sa {};
-  sa.sa_handler = handler;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaction(sig, &sa, nullptr);
-}
 
 using fusekeeper::UniqueFd;
 
@@ -118,7 +112,7 @@ int main(int argc, char** argv) {
       "fkserve --ready_file=<file> ready   (a startupProbe: 0 once serving)\n"
       "fkserve install-tools <dir>   (the launcher, its fusermount and libraries, for another image)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  HandleStopSignals(ExitOnStopSignal);
+  fusekeeper::HandleStopSignals(ExitOnStopSignal, /*restart=*/true);
   if (mode.empty()) return Fail(2, gflags::ProgramUsage());
   if (mode == "install-tools") {
     if (mode_arg.empty()) return Fail(2, "install-tools needs a directory");
