@@ -8,14 +8,7 @@ pkgs=(
   bindfs fuse-zip unionfs-fuse archivemount fuse2fs squashfuse fuse-overlayfs gocryptfs rclone sshfs s3fs encfs
   ntfs-3g zip squashfs-tools e2fsprogs tar util-linux strace openssh-server openssh-client
 )
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+bash "$(dirname "$0")/apt-install-missing.sh" "${pkgs[@]}"
 # s3fs's tests talk to a local S3 endpoint: s3rver, from the npm registry (not a Debian package).
 tools=/opt/fusekeeper-test-tools
 if [ ! -x "$tools/node_modules/.bin/s3rver" ]; then
