@@ -68,6 +68,22 @@ class VolumeManagerTest : public ::testing::Test {
     lt_.RunOnLoop([&, p] { manager_->Stage(r, [p](absl::Status s) { p->set_value(s); }); });
     return f;
   }
+  // Stages `r` and waits for it to succeed.
+  void StageOk(const csi::v1::NodeStageVolumeRequest& r) {
+    auto staged = Stage(r);
+    ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
+    ASSERT_TRUE(staged.get().ok());
+  }
+  // Calls Unstage on the loop for what `stage` staged; returns a future of its result.
+  std::future<absl::Status> Unstage(const csi::v1::NodeStageVolumeRequest& stage) {
+    csi::v1::NodeUnstageVolumeRequest r;
+    r.set_volume_id(stage.volume_id());
+    r.set_staging_target_path(stage.staging_target_path());
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    auto f = p->get_future();
+    lt_.RunOnLoop([&, p] { manager_->Unstage(r, [p](absl::Status s) { p->set_value(s); }); });
+    return f;
+  }
   // Calls Publish on the loop for pod `pod`'s target of staged volume v; returns a future of its result.
   std::future<absl::Status> PublishStaged(const csi::v1::NodeStageVolumeRequest& stage, const std::string& pod) {
     csi::v1::NodePublishVolumeRequest r;
@@ -165,20 +181,14 @@ TEST_F(VolumeManagerTest, QueueBoundsAnswerWithClearErrorsNamingTheVolume) {
 // waiting for each other; a second publish of the same target, and an unstage, still wait.
 TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
   StartManager();
-  auto stage = StageReq("v");
-  auto staged = Stage(stage);
-  ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
-  ASSERT_TRUE(staged.get().ok());
+  const auto stage = StageReq("v");
+  ASSERT_NO_FATAL_FAILURE(StageOk(stage));
   auto publish = [&](const std::string& pod) { return PublishStaged(stage, pod); };
   auto release = HoldPool();
   auto a = publish("a");
   auto b = publish("b");
   auto a_again = publish("a");
-  csi::v1::NodeUnstageVolumeRequest unstage;
-  unstage.set_volume_id("v");
-  unstage.set_staging_target_path(stage.staging_target_path());
-  auto unstaged = std::make_shared<std::promise<absl::Status>>();
-  lt_.RunOnLoop([&] { manager_->Unstage(unstage, [unstaged](absl::Status s) { unstaged->set_value(s); }); });
+  auto unstaged = Unstage(stage);
   size_t outstanding = 0;
   lt_.RunOnLoop([&] { outstanding = pool_->outstanding(); });
   EXPECT_EQ(outstanding, 3u) << "the hostage, and a and b together; the repeat of a and the unstage wait";
@@ -187,9 +197,8 @@ TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
     ASSERT_EQ(f->wait_for(kTestDeadline), std::future_status::ready);
     EXPECT_TRUE(f->get().ok());
   }
-  auto u = unstaged->get_future();
-  ASSERT_EQ(u.wait_for(kTestDeadline), std::future_status::ready);
-  EXPECT_EQ(u.get().code(), absl::StatusCode::kFailedPrecondition) << "it waited, then saw both targets";
+  ASSERT_EQ(unstaged.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(unstaged.get().code(), absl::StatusCode::kFailedPrecondition) << "it waited, then saw both targets";
   std::vector<std::string> problems;
   auto saved = store_->LoadAllBlocking(&problems);
   ASSERT_TRUE(saved.ok());
@@ -202,25 +211,18 @@ TEST_F(VolumeManagerTest, DistinctTargetsOfAStagedVolumeDoNotWaitForEachOther) {
 // out max_queue_wait and came back ABORTED while nothing ran on the volume.
 TEST_F(VolumeManagerTest, ARefusedWaiterPassesTheTurnOn) {
   StartManager();
-  auto stage = StageReq("v");
-  auto staged = Stage(stage);
-  ASSERT_EQ(staged.wait_for(kTestDeadline), std::future_status::ready);
-  ASSERT_TRUE(staged.get().ok());
+  const auto stage = StageReq("v");
+  ASSERT_NO_FATAL_FAILURE(StageOk(stage));
   auto publish = [&](const std::string& pod) { return PublishStaged(stage, pod); };
   auto release = HoldPool();
   auto a = publish("a");  // holds a's claim; its work waits behind the hostage
-  csi::v1::NodeUnstageVolumeRequest unstage;
-  unstage.set_volume_id("v");
-  unstage.set_staging_target_path(stage.staging_target_path());
-  auto unstaged = std::make_shared<std::promise<absl::Status>>();
-  lt_.RunOnLoop([&] { manager_->Unstage(unstage, [unstaged](absl::Status s) { unstaged->set_value(s); }); });
+  auto unstaged = Unstage(stage);
   auto b = publish("b");  // waits behind the unstage (which wants the whole volume)
   release->set_value();
   ASSERT_EQ(a.wait_for(kTestDeadline), std::future_status::ready);
   EXPECT_TRUE(a.get().ok());
-  auto u = unstaged->get_future();
-  ASSERT_EQ(u.wait_for(kTestDeadline), std::future_status::ready);
-  EXPECT_EQ(u.get().code(), absl::StatusCode::kFailedPrecondition) << "refused when its turn came: a is published";
+  ASSERT_EQ(unstaged.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(unstaged.get().code(), absl::StatusCode::kFailedPrecondition) << "refused when its turn came: a is published";
   ASSERT_EQ(b.wait_for(kTestDeadline), std::future_status::ready) << "the refused unstage never passed the turn on";
   EXPECT_TRUE(b.get().ok());
 }
