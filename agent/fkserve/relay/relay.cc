@@ -1,0 +1,309 @@
+#include "agent/fkserve/relay/relay.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "agent/fkserve/relay/fuse_wire.h"
+#include "agent/loop/loop.h"
+
+namespace fusekeeper::relay {
+
+namespace {
+
+// Asked for each end of a program's socket pair; the kernel caps it at net.core.wmem_max.
+constexpr int kSocketBufferBytes = 4 << 20;
+// A WRITE of 1 MiB (libfuse3's largest) with its headers: no message needs more.
+constexpr size_t kLargestUsefulMessage = (1 << 20) + 4096;
+
+void SizeBuffers(int fd) {
+  int bytes = kSocketBufferBytes;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+}
+
+}  // namespace
+
+// One program instance's socket, with the ring operations on it. Retired (closed, its
+// operations cancelled) when the next instance comes or the program closes its end; freed when
+// its last operation has completed.
+struct ProgramConn {
+  UniqueFd fd;
+  Completion poll, out;
+  bool poll_armed = false, out_armed = false, retired = false;
+  std::deque<std::string> pending;  // messages the socket would not take yet
+};
+
+struct Relay::LoopState final : RelayOutput {
+  std::unique_ptr<Loop> loop;
+  UniqueFd kernel;
+  RelayCallbacks cb;
+  size_t max_message = 0;
+  std::unique_ptr<RelayCore> core;
+  std::vector<char> kbuf, pbuf;
+  Completion kread;
+  int kernel_errors = 0;
+  ProgramConn* conn = nullptr;
+  LoopClock::time_point started;
+  bool awaiting_first_answer = false;
+  bool ended = false;
+
+  void Log(const std::string& line) override {
+    if (cb.log) cb.log(line);
+  }
+
+  void ToKernel(const char* data, size_t len) override {
+    ssize_t n;
+    do {
+      n = write(kernel.get(), data, len);
+    } while (n < 0 && errno == EINTR);
+    // ENOENT: the request was interrupted and is answered already; ENODEV: the connection ended.
+    if (n < 0 && errno != ENOENT && errno != ENODEV) {
+      Log(absl::StrCat("relay: writing ", len, " bytes to the kernel: ", strerror(errno)));
+    }
+  }
+
+  void ToProgram(const iovec* iov, int iovcnt) override {
+    if (conn == nullptr || conn->retired) return;  // the instance is going: resent to the next
+    if (conn->pending.empty()) {
+      msghdr m{};
+      m.msg_iov = const_cast<iovec*>(iov);
+      m.msg_iovlen = static_cast<size_t>(iovcnt);
+      ssize_t n;
+      do {
+        n = sendmsg(conn->fd.get(), &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+      } while (n < 0 && errno == EINTR);
+      if (n >= 0) return;
+      if (errno == EPIPE || errno == ECONNRESET) return;
+      if (errno != EAGAIN) {
+        Log(absl::StrCat("relay: sending to the program: ", strerror(errno)));
+        return;
+      }
+    }
+    std::string copy;
+    for (int i = 0; i < iovcnt; ++i) copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    conn->pending.push_back(std::move(copy));
+    ArmProgramOut(conn);
+  }
+
+  void ArmKernelRead() {
+    kread.callback = [this](int32_t res, bool) { OnKernelRead(res); };
+    loop->Read(&kread, kernel.get(), kbuf.data(), static_cast<unsigned>(kbuf.size()), 0);
+  }
+
+  void OnKernelRead(int32_t res) {
+    if (res == -ECANCELED || ended) return;
+    if (res == -ENODEV) {
+      ended = true;
+      Log("relay: the kernel's connection ended (unmounted or aborted)");
+      if (conn != nullptr) Retire(conn);
+      if (cb.connection_ended) cb.connection_ended();
+      return;
+    }
+    if (res > 0) {
+      kernel_errors = 0;
+      core->FromKernel(kbuf.data(), static_cast<size_t>(res));
+      AfterEvent();
+    } else if (res != -EINTR && res != -EAGAIN && res != -ENOENT) {
+      Log(absl::StrCat("relay: reading the kernel's connection: ", strerror(-res)));
+      if (++kernel_errors > 100) {
+        ended = true;
+        if (cb.connection_ended) cb.connection_ended();
+        return;
+      }
+    }
+    ArmKernelRead();
+  }
+
+  void ArmProgramPoll(ProgramConn* c) {
+    c->poll.callback = [this, c](int32_t res, bool more) {
+      if (!more) c->poll_armed = false;
+      if (!c->retired && res > 0) DrainProgram(c);
+      if (c->retired) {
+        MaybeFree(c);
+        return;
+      }
+      if (!more && res != -ECANCELED) ArmProgramPoll(c);
+    };
+    c->poll_armed = true;
+    loop->PollAdd(&c->poll, c->fd.get(), POLLIN, /*multishot=*/true);
+  }
+
+  void ArmProgramOut(ProgramConn* c) {
+    if (c->out_armed) return;
+    c->out.callback = [this, c](int32_t res, bool) {
+      c->out_armed = false;
+      if (c->retired) {
+        MaybeFree(c);
+        return;
+      }
+      if (res >= 0) FlushPending(c);
+    };
+    c->out_armed = true;
+    loop->PollAdd(&c->out, c->fd.get(), POLLOUT, /*multishot=*/false);
+  }
+
+  void FlushPending(ProgramConn* c) {
+    while (!c->pending.empty()) {
+      const std::string& m = c->pending.front();
+      const ssize_t n = send(c->fd.get(), m.data(), m.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) {
+        ArmProgramOut(c);
+        return;
+      }
+      if (n < 0) Log(absl::StrCat("relay: sending to the program: ", strerror(errno)));
+      c->pending.pop_front();
+    }
+  }
+
+  void DrainProgram(ProgramConn* c) {
+    while (!c->retired) {
+      const ssize_t n = recv(c->fd.get(), pbuf.data(), pbuf.size(), MSG_DONTWAIT | MSG_TRUNC);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) return;
+      if (n <= 0) {
+        // Every process that held the program's end has closed it: that instance is gone.
+        if (c == conn) {
+          core->ProgramGone();
+          conn = nullptr;
+        }
+        Retire(c);
+        return;
+      }
+      const bool truncated = static_cast<size_t>(n) > pbuf.size();
+      core->FromProgram(pbuf.data(), truncated ? pbuf.size() : static_cast<size_t>(n), truncated);
+      AfterEvent();
+    }
+  }
+
+  void AfterEvent() {
+    if (awaiting_first_answer && core->stats().answers_since_start > 0) {
+      awaiting_first_answer = false;
+      if (cb.first_answer) cb.first_answer(LoopClock::now() - started, core->stats());
+    }
+  }
+
+  void Retire(ProgramConn* c) {
+    if (c->retired) return;
+    c->retired = true;
+    if (c == conn) conn = nullptr;
+    if (c->poll_armed) loop->Cancel(&c->poll);
+    if (c->out_armed) loop->Cancel(&c->out);
+    c->pending.clear();
+    MaybeFree(c);
+  }
+
+  void MaybeFree(ProgramConn* c) {
+    if (c->retired && !c->poll_armed && !c->out_armed) delete c;
+  }
+
+  void Attach(UniqueFd ours) {
+    if (conn != nullptr) Retire(conn);
+    auto* c = new ProgramConn();
+    c->fd = std::move(ours);
+    conn = c;
+    started = LoopClock::now();
+    awaiting_first_answer = true;
+    core->ProgramStarted();
+    ArmProgramPoll(c);
+    AfterEvent();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks) {
+  std::unique_ptr<Relay> r(new Relay());
+  // The largest message a socket pair carries here: the sender's buffer, less the kernel's own
+  // 32 bytes of accounting (unix_dgram_sendmsg), and a margin.
+  int probe[2];
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, probe) != 0) {
+    return absl::InternalError(absl::StrCat("socketpair: ", strerror(errno)));
+  }
+  SizeBuffers(probe[0]);
+  int sndbuf = 0;
+  socklen_t len = sizeof(sndbuf);
+  getsockopt(probe[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, &len);
+  close(probe[0]);
+  close(probe[1]);
+  if (sndbuf < 64 * 1024) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a socket's send buffer is only ", sndbuf, " bytes here (net.core.wmem_max): too small to relay FUSE"));
+  }
+  r->max_message_ = std::min<size_t>(static_cast<size_t>(sndbuf) - 32 - 512, kLargestUsefulMessage);
+
+  auto loop = Loop::Create();
+  if (!loop.ok()) return loop.status();
+  auto st = std::make_unique<LoopState>();
+  st->loop = std::move(*loop);
+  st->kernel = UniqueFd(fcntl(kernel_fd, F_DUPFD_CLOEXEC, 3));
+  if (!st->kernel.valid()) return absl::InternalError(absl::StrCat("dup of the connection: ", strerror(errno)));
+  st->cb = std::move(callbacks);
+  st->max_message = r->max_message_;
+  st->core = std::make_unique<RelayCore>(st.get(), r->max_message_);
+  // The kernel checks that a read can take its largest WRITE: header, fuse_write_in, max_write.
+  st->kbuf.resize(r->max_message_);
+  st->pbuf.resize(r->max_message_);
+  st->ArmKernelRead();
+  r->state_ = std::move(st);
+  r->thread_ = std::thread([raw = r->state_.get()] {
+    // Stop signals are the launcher's (its main thread forwards them to the program).
+    sigset_t block;
+    sigemptyset(&block);
+    for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGCHLD}) sigaddset(&block, sig);
+    pthread_sigmask(SIG_BLOCK, &block, nullptr);
+    raw->loop->Run();
+  });
+  return r;
+}
+
+Relay::~Relay() { Stop(); }
+
+void Relay::Stop() {
+  if (!thread_.joinable()) return;
+  state_->loop->Stop();
+  thread_.join();
+  if (state_->conn != nullptr) {
+    state_->conn->retired = true;
+    state_->conn->poll_armed = state_->conn->out_armed = false;
+    delete state_->conn;
+    state_->conn = nullptr;
+  }
+}
+
+absl::StatusOr<UniqueFd> Relay::NewInstanceSocket() {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    return absl::InternalError(absl::StrCat("socketpair: ", strerror(errno)));
+  }
+  SizeBuffers(sv[0]);
+  SizeBuffers(sv[1]);
+  fcntl(sv[0], F_SETFL, O_NONBLOCK);  // ours only: the program's end stays blocking, like /dev/fuse
+  UniqueFd ours(sv[0]), theirs(sv[1]);
+  std::promise<void> attached;
+  LoopState* st = state_.get();
+  if (!st->loop->Post([st, fd = std::move(ours), &attached]() mutable {
+        st->Attach(std::move(fd));
+        attached.set_value();
+      })) {
+    return absl::UnavailableError("the relay has stopped");
+  }
+  attached.get_future().wait();
+  return theirs;
+}
+
+RelayStats Relay::Snapshot() {
+  std::promise<RelayStats> p;
+  LoopState* st = state_.get();
+  if (!st->loop->Post([st, &p] { p.set_value(st->core->stats()); })) return {};
+  return p.get_future().get();
+}
+
+}  // namespace fusekeeper::relay

@@ -1,0 +1,61 @@
+// Relay: RelayCore on an io_uring loop of its own (agent/loop), between the kernel's /dev/fuse
+// connection and the socket of whichever program instance serves it now.
+//
+//  - The kernel's connection is read on the ring (one READ at a time, into a buffer of the
+//    largest message); replies and notifications are written to it directly (a write to
+//    /dev/fuse never blocks: the kernel takes the reply or refuses it at once).
+//  - The program's end is a SOCK_SEQPACKET socket (one FUSE message per send, as the device
+//    has): received with a multishot POLL and non-blocking recv; sent with non-blocking sendmsg,
+//    queued (copied) while the program is not reading, flushed on POLLOUT.
+//  - A new instance gets a new socket pair (NewInstanceSocket); the old one is closed, and what
+//    the old instance had not answered is sent again (RelayCore).
+//
+// Threading: Start/NewInstanceSocket/Snapshot/Stop from any one thread (the launcher's main
+// thread); everything else runs on the relay's loop thread. The callbacks run on the loop thread.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "agent/base/unique_fd.h"
+#include "agent/fkserve/relay/relay_core.h"
+
+namespace fusekeeper::relay {
+
+struct RelayCallbacks {
+  std::function<void(const std::string&)> log;
+  // The kernel's connection ended (unmounted, or aborted): nothing is left to serve.
+  std::function<void()> connection_ended;
+  // The first answer of a new instance reached the kernel, `since_start` after it was attached.
+  std::function<void(std::chrono::nanoseconds since_start, const RelayStats&)> first_answer;
+};
+
+class Relay {
+ public:
+  // Takes a dup of `kernel_fd` (the /dev/fuse connection). Sizes the program's messages from
+  // the socket buffers it can get (net.core.wmem_max caps them): max_write follows.
+  static absl::StatusOr<std::unique_ptr<Relay>> Start(int kernel_fd, RelayCallbacks callbacks);
+  ~Relay();
+
+  // Blocking (waits for the loop to take it). A socket pair for the next program instance: the
+  // relay's end is attached now (the instance before it, if any, is gone); the returned end
+  // (close-on-exec) is the program's.
+  absl::StatusOr<UniqueFd> NewInstanceSocket();
+  // Blocking. The core's figures now.
+  RelayStats Snapshot();
+  size_t max_message_bytes() const { return max_message_; }
+  void Stop();
+
+ private:
+  Relay() = default;
+  struct LoopState;
+  size_t max_message_ = 0;
+  std::unique_ptr<LoopState> state_;
+  std::thread thread_;
+};
+
+}  // namespace fusekeeper::relay

@@ -1,0 +1,887 @@
+#include "agent/fkserve/relay/relay_core.h"
+
+#include <fcntl.h>
+#include <linux/fs.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "agent/fkserve/relay/fuse_wire.h"
+
+namespace fusekeeper::relay {
+
+namespace {
+
+constexpr uint32_t kPage = 4096;
+// Bytes of a request that may hold ids the relay rewrites (header + the largest fixed part that
+// holds one: fuse_copy_file_range_in's fh_out ends at 40 + 32).
+constexpr size_t kPatchPrefix = 128;
+
+bool IsDot(absl::string_view name) { return name == "." || name == ".."; }
+
+bool UsesHeaderNode(uint32_t opcode) {
+  return opcode != FUSE_INIT && opcode != FUSE_INTERRUPT && opcode != FUSE_BATCH_FORGET && opcode != FUSE_DESTROY;
+}
+
+}  // namespace
+
+RelayCore::RelayCore(RelayOutput* out, size_t max_message_bytes) : out_(out), max_message_(max_message_bytes) {}
+
+// ---- Requests from the kernel ----
+
+bool RelayCore::ParseRequest(Request& r) {
+  const char* m = r.msg.data();
+  const size_t len = r.msg.size();
+  const size_t body = kInHeader;
+  auto name_at = [&](size_t off, std::string* out) {
+    absl::string_view n;
+    if (!NameAt(m, len, off, &n)) return false;
+    *out = std::string(n);
+    return true;
+  };
+  switch (r.opcode) {
+    case FUSE_LOOKUP:
+    case FUSE_UNLINK:
+    case FUSE_RMDIR:
+    case FUSE_SYMLINK:  // name, then the link's target
+      return name_at(body, &r.name);
+    case FUSE_MKNOD:
+      return name_at(body + sizeof(fuse_mknod_in), &r.name);
+    case FUSE_MKDIR:
+      return name_at(body + sizeof(fuse_mkdir_in), &r.name);
+    case FUSE_CREATE:
+      if (len < body + sizeof(fuse_create_in)) return false;
+      r.flags = Load<fuse_create_in>(m + body).flags;
+      return name_at(body + sizeof(fuse_create_in), &r.name);
+    case FUSE_LINK:
+      if (len < body + sizeof(fuse_link_in)) return false;
+      r.node2 = Load<fuse_link_in>(m + body).oldnodeid;
+      return name_at(body + sizeof(fuse_link_in), &r.name);
+    case FUSE_RENAME:
+    case FUSE_RENAME2: {
+      const size_t fixed = r.opcode == FUSE_RENAME ? sizeof(fuse_rename_in) : sizeof(fuse_rename2_in);
+      if (len < body + fixed) return false;
+      r.node2 = Load<uint64_t>(m + body);
+      if (r.opcode == FUSE_RENAME2) r.flags = Load<fuse_rename2_in>(m + body).flags;
+      if (!name_at(body + fixed, &r.name)) return false;
+      return name_at(body + fixed + r.name.size() + 1, &r.name2);
+    }
+    case FUSE_OPEN:
+    case FUSE_OPENDIR:
+      if (len < body + sizeof(fuse_open_in)) return false;
+      r.flags = Load<fuse_open_in>(m + body).flags;
+      return true;
+    case FUSE_COPY_FILE_RANGE:
+      if (len < body + sizeof(fuse_copy_file_range_in)) return false;
+      r.node2 = Load<fuse_copy_file_range_in>(m + body).nodeid_out;
+      return true;
+    case FUSE_INIT:
+      return len >= body + 16;  // major, minor, max_readahead, flags
+    default:
+      return true;
+  }
+}
+
+void RelayCore::FromKernel(char* msg, size_t len) {
+  if (len < kInHeader) {
+    out_->Log(absl::StrCat("relay: a ", len, "-byte read from the kernel is not a request; ignored"));
+    return;
+  }
+  const fuse_in_header h = InHeader(msg);
+  if (h.opcode == FUSE_FORGET || h.opcode == FUSE_BATCH_FORGET) {
+    OnForget(msg, len);
+    return;
+  }
+  if (h.opcode == FUSE_INTERRUPT) {
+    if (len < kInHeader + sizeof(fuse_interrupt_in)) return;
+    const uint64_t target = Load<fuse_interrupt_in>(msg + kInHeader).unique;
+    auto it = requests_.find(target);
+    // Only the instance working on it can be interrupted; a waiting request is simply sent later.
+    if (it != requests_.end() && it->second.state == State::kSent && it->second.instance == instance_ && ready_) {
+      iovec iov{msg, len};
+      out_->ToProgram(&iov, 1);
+    }
+    return;
+  }
+  if (h.opcode == FUSE_NOTIFY_REPLY) {
+    // The answer to a program's RETRIEVE: for the instance that asked, if it is still there.
+    if (!ready_) return;
+    if (h.nodeid != 0) {
+      Node* n = nodes_.Find(h.nodeid);
+      if (n == nullptr || n->pid == 0) return;
+      Store<uint64_t>(msg + offsetof(fuse_in_header, nodeid), n->pid);
+    }
+    iovec iov{msg, len};
+    out_->ToProgram(&iov, 1);
+    return;
+  }
+  if (requests_.count(h.unique) != 0) {
+    out_->Log(absl::StrCat("relay: the kernel reused unique ", h.unique, " while it was in flight; ignored"));
+    return;
+  }
+  Request r;
+  r.msg.assign(msg, len);
+  r.opcode = h.opcode;
+  r.node = h.nodeid;
+  ++stats_.requests;
+  if (!ParseRequest(r)) {
+    out_->ToKernel(ErrorReply(h.unique, EINVAL).data(), kOutHeader);
+    out_->Log(absl::StrCat("relay: malformed ", OpName(h.opcode), " from the kernel; answered EINVAL"));
+    return;
+  }
+  if (r.opcode == FUSE_INIT && init_request_.empty()) init_request_ = r.msg;
+  requests_.emplace(h.unique, std::move(r));
+  Dispatch(h.unique);
+}
+
+void RelayCore::Dispatch(uint64_t unique) {
+  auto it = requests_.find(unique);
+  if (it == requests_.end()) return;
+  Request& r = it->second;
+  if (!ready_) {
+    if (r.state != State::kQueued || std::find(queue_.begin(), queue_.end(), unique) == queue_.end()) {
+      r.state = State::kQueued;
+      queue_.push_back(unique);
+    }
+    return;
+  }
+  r.state = State::kWaiting;
+  if (r.check) {
+    Check(r, unique);
+    return;
+  }
+  // Every node it names must be known to the current instance.
+  for (uint64_t kid : {UsesHeaderNode(r.opcode) ? r.node : 0, r.node2}) {
+    if (kid == 0) continue;
+    Node* n = nodes_.Find(kid);
+    if (n == nullptr) {
+      Fail(unique, ESTALE, absl::StrCat("node ", kid, " is unknown to the relay"));
+      return;
+    }
+    if (n->pid != 0) continue;
+    if (n->unresolvable || (n->parent == 0 && kid != kRootId)) {
+      Fail(unique, ESTALE,
+           absl::StrCat("node ", kid, n->name.empty() ? " has no path (unlinked or replaced)" : " no longer resolves",
+                        " in the restarted program"));
+      return;
+    }
+    WaitNode(kid, {Waiter::kRequest, unique});
+    return;
+  }
+  // And every handle.
+  std::vector<long> fh_offsets = {FhOffset(r.opcode, r.msg.data(), r.msg.size())};
+  if (r.opcode == FUSE_COPY_FILE_RANGE) {
+    fh_offsets.push_back(static_cast<long>(kInHeader + offsetof(fuse_copy_file_range_in, fh_out)));
+  }
+  for (long off : fh_offsets) {
+    if (off < 0) continue;
+    const uint64_t kfh = Load<uint64_t>(r.msg.data() + off);
+    auto h = handles_.find(kfh);
+    if (h == handles_.end()) {
+      Fail(unique, EBADF, absl::StrCat(OpName(r.opcode), " names file handle ", kfh, ", which the relay never issued"));
+      return;
+    }
+    if (h->second.instance == instance_) continue;
+    if (r.opcode == FUSE_RELEASE || r.opcode == FUSE_RELEASEDIR || r.opcode == FUSE_FLUSH) {
+      // Nothing to close or flush in an instance that never opened it.
+      if (r.opcode != FUSE_FLUSH) EraseHandle(kfh);
+      Reply(ErrorReply(unique, 0).data(), kOutHeader);
+      Complete(unique);
+      return;
+    }
+    if (h->second.lost) {
+      Fail(unique, h->second.lost_error, absl::StrCat("file handle ", kfh, " could not be reopened"));
+      return;
+    }
+    h->second.waiters.push_back(unique);
+    StartReopen(kfh);
+    return;
+  }
+  Send(r, unique);
+}
+
+void RelayCore::Send(Request& r, uint64_t unique) {
+  char prefix[kPatchPrefix];
+  const size_t n = std::min(r.msg.size(), kPatchPrefix);
+  memcpy(prefix, r.msg.data(), n);
+  if (UsesHeaderNode(r.opcode) && r.node != 0) {
+    Store<uint64_t>(prefix + offsetof(fuse_in_header, nodeid), nodes_.Find(r.node)->pid);
+  }
+  if (r.node2 != 0) {
+    const size_t off = r.opcode == FUSE_COPY_FILE_RANGE ? kInHeader + offsetof(fuse_copy_file_range_in, nodeid_out)
+                                                        : kInHeader;  // LINK oldnodeid, RENAME(2) newdir
+    Store<uint64_t>(prefix + off, nodes_.Find(r.node2)->pid);
+  }
+  std::vector<long> fh_offsets = {FhOffset(r.opcode, r.msg.data(), r.msg.size())};
+  if (r.opcode == FUSE_COPY_FILE_RANGE) {
+    fh_offsets.push_back(static_cast<long>(kInHeader + offsetof(fuse_copy_file_range_in, fh_out)));
+  }
+  for (long off : fh_offsets) {
+    if (off < 0) continue;
+    Store<uint64_t>(prefix + off, handles_.at(Load<uint64_t>(r.msg.data() + off)).pfh);
+  }
+  if (r.opcode == FUSE_INIT) {
+    // What the relay cannot pass on is not offered.
+    const uint32_t flags = Load<uint32_t>(prefix + kInHeader + 12);
+    Store<uint32_t>(prefix + kInHeader + 12, flags & ~static_cast<uint32_t>(kUnrelayableInitFlags));
+    if (r.msg.size() >= kInHeader + 20) {
+      const uint32_t flags2 = Load<uint32_t>(prefix + kInHeader + 16);
+      Store<uint32_t>(prefix + kInHeader + 16, flags2 & ~static_cast<uint32_t>(kUnrelayableInitFlags >> 32));
+    }
+  }
+  if (r.instance != 0 && r.instance != instance_) ++stats_.resent;
+  r.state = State::kSent;
+  r.instance = instance_;
+  iovec iov[2] = {{prefix, n}, {r.msg.data() + n, r.msg.size() - n}};
+  out_->ToProgram(iov, r.msg.size() > n ? 2 : 1);
+}
+
+void RelayCore::Complete(uint64_t unique) {
+  auto it = requests_.find(unique);
+  if (it == requests_.end()) return;
+  Request& r = it->second;
+  if ((r.opcode == FUSE_RELEASE || r.opcode == FUSE_RELEASEDIR) && r.msg.size() >= kInHeader + 8) {
+    const uint64_t kfh = Load<uint64_t>(r.msg.data() + kInHeader);
+    requests_.erase(it);
+    EraseHandle(kfh);
+  } else {
+    requests_.erase(it);
+  }
+  Forgets();
+}
+
+void RelayCore::EraseHandle(uint64_t kfh) {
+  auto h = handles_.find(kfh);
+  if (h == handles_.end()) return;
+  nodes_.DropHandle(h->second.kid);
+  std::vector<uint64_t> waiters = std::move(h->second.waiters);
+  handles_.erase(h);
+  // The kernel releases a handle only when nothing uses it; if something did, it fails (EBADF).
+  for (uint64_t unique : waiters) Dispatch(unique);
+}
+
+void RelayCore::Reply(const char* data, size_t len) {
+  ++stats_.answers_since_start;
+  out_->ToKernel(data, len);
+}
+
+void RelayCore::Fail(uint64_t unique, int error, const std::string& why) {
+  auto it = requests_.find(unique);
+  if (it == requests_.end()) return;
+  ++stats_.restore_failures;
+  out_->Log(absl::StrCat("relay: ", OpName(it->second.opcode), " (unique ", unique, ") failed with ",
+                         strerror(error), ": ", why));
+  Reply(ErrorReply(unique, error).data(), kOutHeader);
+  Complete(unique);
+}
+
+void RelayCore::OnForget(const char* msg, size_t len) {
+  const fuse_in_header h = InHeader(msg);
+  if (h.opcode == FUSE_FORGET) {
+    if (len >= kInHeader + sizeof(fuse_forget_in)) nodes_.Forget(h.nodeid, Load<fuse_forget_in>(msg + kInHeader).nlookup);
+  } else if (len >= kInHeader + sizeof(fuse_batch_forget_in)) {
+    const uint32_t count = Load<fuse_batch_forget_in>(msg + kInHeader).count;
+    const size_t first = kInHeader + sizeof(fuse_batch_forget_in);
+    for (uint32_t i = 0; i < count && first + (i + 1) * sizeof(fuse_forget_one) <= len; ++i) {
+      const auto one = Load<fuse_forget_one>(msg + first + i * sizeof(fuse_forget_one));
+      nodes_.Forget(one.nodeid, one.nlookup);
+    }
+  }
+  Forgets();
+}
+
+void RelayCore::Forgets() {
+  std::vector<ProgramForget> forgets = nodes_.TakeForgets();
+  if (forgets.empty() || !ready_) return;  // a dead instance owes nothing
+  std::string body;
+  fuse_batch_forget_in b{};
+  b.count = static_cast<uint32_t>(forgets.size());
+  body.append(reinterpret_cast<const char*>(&b), sizeof(b));
+  for (const ProgramForget& f : forgets) {
+    fuse_forget_one one{f.pid, f.count};
+    body.append(reinterpret_cast<const char*>(&one), sizeof(one));
+  }
+  fuse_in_header h{};
+  h.len = static_cast<uint32_t>(kInHeader + body.size());
+  h.opcode = FUSE_BATCH_FORGET;
+  h.unique = kOwnUniqueBit | (next_own_++ << 1);
+  std::string m(reinterpret_cast<const char*>(&h), sizeof(h));
+  m += body;
+  iovec iov{m.data(), m.size()};
+  out_->ToProgram(&iov, 1);
+}
+
+void RelayCore::ForgetInProgram(uint64_t pid, uint64_t count) {
+  fuse_forget_in f{count};
+  fuse_in_header h{};
+  h.len = sizeof(h) + sizeof(f);
+  h.opcode = FUSE_FORGET;
+  h.nodeid = pid;
+  h.unique = kOwnUniqueBit | (next_own_++ << 1);
+  char m[sizeof(h) + sizeof(f)];
+  memcpy(m, &h, sizeof(h));
+  memcpy(m + sizeof(h), &f, sizeof(f));
+  iovec iov{m, sizeof(m)};
+  out_->ToProgram(&iov, 1);
+}
+
+// ---- Restoring nodes and handles in a new instance ----
+
+uint64_t RelayCore::SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body) {
+  fuse_in_header h{};
+  h.len = static_cast<uint32_t>(kInHeader + body.size());
+  h.opcode = opcode;
+  h.unique = kOwnUniqueBit | (next_own_++ << 1);
+  h.nodeid = nodeid;
+  // uid/gid/pid 0: the relay's own requests are not any process's; default_permissions checks
+  // were made by the kernel when the node was first reached.
+  own_[h.unique] = {kind, id};
+  std::string m(reinterpret_cast<const char*>(&h), sizeof(h));
+  m += body;
+  iovec iov{m.data(), m.size()};
+  out_->ToProgram(&iov, 1);
+  return h.unique;
+}
+
+void RelayCore::WaitNode(uint64_t kid, Waiter w) {
+  node_waiters_[kid].push_back(w);
+  StartResolve(kid);
+}
+
+void RelayCore::StartResolve(uint64_t kid) {
+  Node* n = nodes_.Find(kid);
+  if (n == nullptr || n->unresolvable || (n->parent == 0 && kid != kRootId)) {
+    Resolved(kid, false);
+    return;
+  }
+  if (n->pid != 0) {
+    Resolved(kid, true);
+    return;
+  }
+  if (n->resolving) return;
+  n->resolving = true;
+  Node* parent = nodes_.Find(n->parent);
+  if (parent == nullptr) {
+    n->resolving = false;
+    Resolved(kid, false);
+    return;
+  }
+  if (parent->pid == 0) {
+    WaitNode(n->parent, {Waiter::kNode, kid});
+    return;
+  }
+  SendOwn(OwnKind::kLookup, kid, FUSE_LOOKUP, parent->pid, n->name + std::string(1, '\0'));
+}
+
+void RelayCore::Resolved(uint64_t kid, bool ok) {
+  if (Node* n = nodes_.Find(kid)) {
+    n->resolving = false;
+    if (!ok) n->unresolvable = true;
+  }
+  auto it = node_waiters_.find(kid);
+  if (it == node_waiters_.end()) return;
+  std::vector<Waiter> waiters = std::move(it->second);
+  node_waiters_.erase(it);
+  for (const Waiter& w : waiters) {
+    switch (w.kind) {
+      case Waiter::kRequest:
+        Dispatch(w.id);  // fails it if the node stayed unresolved
+        break;
+      case Waiter::kNode:
+        if (Node* child = nodes_.Find(w.id)) child->resolving = false;
+        if (ok) {
+          StartResolve(w.id);
+        } else {
+          Resolved(w.id, false);
+        }
+        break;
+      case Waiter::kHandle:
+        StartReopen(w.id);
+        break;
+    }
+  }
+}
+
+void RelayCore::StartReopen(uint64_t kfh) {
+  auto it = handles_.find(kfh);
+  if (it == handles_.end()) return;
+  Handle& h = it->second;
+  if (h.instance == instance_) {
+    Reopened(kfh, 0);
+    return;
+  }
+  if (h.opening) return;
+  Node* n = nodes_.Find(h.kid);
+  if (n == nullptr || n->unresolvable || (n->pid == 0 && n->parent == 0 && h.kid != kRootId)) {
+    Reopened(kfh, ESTALE);
+    return;
+  }
+  if (n->pid == 0) {
+    WaitNode(h.kid, {Waiter::kHandle, kfh});
+    return;
+  }
+  h.opening = true;
+  fuse_open_in in{};
+  // Reopened as it was opened, less what would change the file again.
+  in.flags = h.flags & ~static_cast<uint32_t>(O_CREAT | O_EXCL | O_TRUNC);
+  SendOwn(OwnKind::kOpen, kfh, h.dir ? FUSE_OPENDIR : FUSE_OPEN, n->pid,
+          std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+}
+
+void RelayCore::Reopened(uint64_t kfh, int error) {
+  auto it = handles_.find(kfh);
+  if (it == handles_.end()) return;
+  Handle& h = it->second;
+  h.opening = false;
+  if (error != 0) {
+    h.lost = true;
+    h.lost_error = error;
+  }
+  std::vector<uint64_t> waiters = std::move(h.waiters);
+  h.waiters.clear();
+  for (uint64_t unique : waiters) Dispatch(unique);
+}
+
+// A request that may have taken effect in the instance that died: what its name looks like now
+// decides. UNLINK, RMDIR, RENAME: a name that is gone was removed by the dead instance (answer
+// 0). MKDIR, MKNOD, SYMLINK, LINK: a name that exists was made by it (answer with that entry).
+// CREATE: a name that exists may be the dead instance's or another client's; opening it could
+// hand the kernel a file it did not create, so EIO. Anything else: sent again.
+void RelayCore::Check(Request& r, uint64_t unique) {
+  if (r.opcode == FUSE_TMPFILE) {  // no name to look at; a second unnamed file is harmless
+    r.check = false;
+    Dispatch(unique);
+    return;
+  }
+  Node* dir = nodes_.Find(r.node);
+  if (dir == nullptr) {
+    Fail(unique, ESTALE, "its directory is unknown to the relay");
+    return;
+  }
+  if (dir->pid == 0) {
+    if (dir->unresolvable || (dir->parent == 0 && r.node != kRootId)) {
+      Fail(unique, ESTALE, "its directory no longer resolves in the restarted program");
+      return;
+    }
+    WaitNode(r.node, {Waiter::kRequest, unique});
+    return;
+  }
+  SendOwn(OwnKind::kCheck, unique, FUSE_LOOKUP, dir->pid, r.name + std::string(1, '\0'));
+}
+
+void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
+  auto it = requests_.find(unique);
+  const fuse_out_header h = OutHeader(msg);
+  const bool exists = h.error == 0 && len >= kOutHeader + sizeof(fuse_entry_out) &&
+                      Load<fuse_entry_out>(msg + kOutHeader).nodeid != 0;
+  const uint64_t pid = exists ? Load<fuse_entry_out>(msg + kOutHeader).nodeid : 0;
+  if (it == requests_.end()) {
+    if (exists) ForgetInProgram(pid, 1);
+    return;
+  }
+  Request& r = it->second;
+  const bool absent = !exists && (h.error == -ENOENT || h.error == 0);
+  auto give_back = [&] {
+    if (exists) ForgetInProgram(pid, 1);
+  };
+  if (!exists && !absent) {
+    Fail(unique, EIO, absl::StrCat("could not tell whether the program that died had done it (LOOKUP: ",
+                                   strerror(-h.error), ")"));
+    return;
+  }
+  r.check = false;
+  switch (r.opcode) {
+    case FUSE_UNLINK:
+    case FUSE_RMDIR:
+    case FUSE_RENAME:
+    case FUSE_RENAME2:
+      if (absent) {
+        ++stats_.done_by_dead;
+        if (r.opcode == FUSE_UNLINK || r.opcode == FUSE_RMDIR) {
+          nodes_.Unlink(r.node, r.name);
+        } else {
+          nodes_.Rename(r.node, r.name, r.node2, r.name2, (r.flags & RENAME_EXCHANGE) != 0);
+        }
+        Reply(ErrorReply(unique, 0).data(), kOutHeader);
+        Complete(unique);
+        return;
+      }
+      give_back();
+      Dispatch(unique);
+      return;
+    case FUSE_MKDIR:
+    case FUSE_MKNOD:
+    case FUSE_SYMLINK:
+    case FUSE_LINK:
+      if (exists) {
+        ++stats_.done_by_dead;
+        std::string reply(msg, len);
+        std::string why;
+        // The check's lookup reference becomes the kernel's.
+        if (!TranslateReply(r, reply.data(), reply.size(), &why)) {
+          Fail(unique, EIO, why);
+          return;
+        }
+        Store<uint64_t>(reply.data() + offsetof(fuse_out_header, unique), unique);
+        Reply(reply.data(), reply.size());
+        Complete(unique);
+        return;
+      }
+      Dispatch(unique);
+      return;
+    case FUSE_CREATE:
+      if (exists) {
+        give_back();
+        Fail(unique, EIO, "the program died while creating it, and it exists now: whether it made it cannot be told");
+        return;
+      }
+      Dispatch(unique);
+      return;
+    default:
+      give_back();
+      Dispatch(unique);
+      return;
+  }
+}
+
+// ---- Program instances ----
+
+void RelayCore::ProgramGone() {
+  if (!attached_) return;
+  attached_ = false;
+  ready_ = false;
+  own_.clear();
+  node_waiters_.clear();
+  nodes_.NewInstance();
+  for (auto& [kfh, h] : handles_) {
+    h.opening = false;
+    h.waiters.clear();
+  }
+  for (auto& [unique, r] : requests_) {
+    if (r.state == State::kSent && IsNonIdempotent(r.opcode)) r.check = true;
+    if (r.state != State::kQueued) {
+      r.state = State::kQueued;
+      queue_.push_back(unique);
+    }
+  }
+}
+
+void RelayCore::ProgramStarted() {
+  if (attached_) ProgramGone();
+  attached_ = true;
+  ++instance_;
+  ++stats_.instances;
+  stats_.answers_since_start = 0;
+  if (init_done_) {
+    // The kernel sends INIT once per connection: replay its INIT; hold everything until answered.
+    ready_ = false;
+    std::string body = init_request_.substr(kInHeader);
+    const uint32_t flags = Load<uint32_t>(body.data() + 12);
+    Store<uint32_t>(body.data() + 12, flags & ~static_cast<uint32_t>(kUnrelayableInitFlags));
+    if (body.size() >= 20) {
+      const uint32_t flags2 = Load<uint32_t>(body.data() + 16);
+      Store<uint32_t>(body.data() + 16, flags2 & ~static_cast<uint32_t>(kUnrelayableInitFlags >> 32));
+    }
+    SendOwn(OwnKind::kInit, 0, FUSE_INIT, 0, body);
+    return;
+  }
+  ready_ = true;
+  std::vector<uint64_t> queue = std::move(queue_);
+  queue_.clear();
+  std::sort(queue.begin(), queue.end());
+  for (uint64_t unique : queue) Dispatch(unique);
+}
+
+// ---- Replies from the program ----
+
+void RelayCore::Bad(const std::string& what) {
+  ++stats_.bad_messages;
+  out_->Log(absl::StrCat("relay: bad message from the program: ", what));
+}
+
+void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
+  if (len < kOutHeader) {
+    Bad(absl::StrCat("a ", len, "-byte message"));
+    return;
+  }
+  const fuse_out_header h = OutHeader(msg);
+  auto fail_its_request = [&](const std::string& what) {
+    Bad(absl::StrCat(what, " (unique ", h.unique, ")"));
+    auto it = requests_.find(h.unique);
+    if (it != requests_.end() && it->second.state == State::kSent && it->second.instance == instance_) {
+      Fail(h.unique, EIO, "the program's reply was malformed");
+    }
+  };
+  if (truncated) {
+    fail_its_request(absl::StrCat("a message over ", max_message_, " bytes"));
+    return;
+  }
+  if (h.len != len) {
+    fail_its_request(absl::StrCat("its header says ", h.len, " bytes, the message has ", len));
+    return;
+  }
+  if (h.unique == 0) {
+    OnNotification(msg, len);
+    return;
+  }
+  if (h.error > 0 || h.error <= -512 || (h.error != 0 && len != kOutHeader)) {
+    fail_its_request(absl::StrCat("error ", h.error, " in a ", len, "-byte reply"));
+    return;
+  }
+  if (h.unique & kOwnUniqueBit) {
+    OnOwnReply(h, msg, len);
+    return;
+  }
+  if (h.unique & 1) {
+    // The answer to an INTERRUPT (EAGAIN: ask again later), for the kernel.
+    auto it = requests_.find(h.unique & ~1ULL);
+    if (it != requests_.end() && it->second.state == State::kSent && it->second.instance == instance_) {
+      out_->ToKernel(msg, len);
+    }
+    return;
+  }
+  auto it = requests_.find(h.unique);
+  if (it == requests_.end() || it->second.state != State::kSent || it->second.instance != instance_) {
+    Bad(absl::StrCat("a reply to unique ", h.unique, ", which is not waiting for one"));
+    return;
+  }
+  Request& r = it->second;
+  if (h.error == 0) {
+    std::string why;
+    if (!TranslateReply(r, msg, len, &why)) {
+      Bad(absl::StrCat("its ", OpName(r.opcode), " reply ", why));
+      Fail(h.unique, EIO, "the program's reply was malformed");
+      return;
+    }
+  }
+  Reply(msg, len);
+  Complete(h.unique);
+}
+
+bool RelayCore::TranslateReply(Request& r, char* msg, size_t len, std::string* why) {
+  const size_t body = kOutHeader;
+  auto entry = [&](size_t off, uint64_t parent, const std::string& name, uint64_t* kid) {
+    if (len < off + sizeof(fuse_entry_out)) {
+      *why = absl::StrCat("is ", len, " bytes, too short for its entry");
+      return false;
+    }
+    const uint64_t pid = Load<uint64_t>(msg + off);
+    *kid = 0;
+    if (pid == 0) return r.opcode == FUSE_LOOKUP || (*why = "names node 0", false);
+    *kid = nodes_.AddKernelEntry(parent, name, pid);
+    Store<uint64_t>(msg + off, *kid);
+    return true;
+  };
+  auto open_handle = [&](size_t off, uint64_t kid, bool dir) {
+    if (len < off + sizeof(fuse_open_out)) {
+      *why = absl::StrCat("is ", len, " bytes, too short for its open handle");
+      return false;
+    }
+    Handle h;
+    h.kid = kid;
+    h.flags = r.flags;
+    h.dir = dir;
+    h.pfh = Load<uint64_t>(msg + off);
+    h.instance = instance_;
+    const uint64_t kfh = next_fh_++;
+    handles_.emplace(kfh, std::move(h));
+    nodes_.AddHandle(kid);
+    Store<uint64_t>(msg + off, kfh);
+    return true;
+  };
+  uint64_t kid = 0;
+  switch (r.opcode) {
+    case FUSE_INIT:
+      OnInitReply(msg, len, /*replayed=*/false);
+      return true;
+    case FUSE_LOOKUP:
+    case FUSE_MKNOD:
+    case FUSE_MKDIR:
+    case FUSE_SYMLINK:
+    case FUSE_LINK:
+      return entry(body, r.node, r.name, &kid);
+    case FUSE_TMPFILE:
+    case FUSE_CREATE:
+      if (!entry(body, r.opcode == FUSE_CREATE ? r.node : 0, r.name, &kid)) return false;
+      if (!open_handle(body + sizeof(fuse_entry_out), kid, false)) {
+        nodes_.Forget(kid, 1);  // the kernel will not have it
+        return false;
+      }
+      return true;
+    case FUSE_OPEN:
+    case FUSE_OPENDIR:
+      return open_handle(body, r.node, r.opcode == FUSE_OPENDIR);
+    case FUSE_READDIRPLUS: {
+      // Validate all entries first: the kernel takes a lookup reference on every named one.
+      std::vector<std::pair<size_t, absl::string_view>> named;
+      for (size_t pos = body; pos < len;) {
+        if (len - pos < FUSE_NAME_OFFSET_DIRENTPLUS) {
+          *why = "ends inside an entry";
+          return false;
+        }
+        const auto d = Load<fuse_dirent>(msg + pos + sizeof(fuse_entry_out));
+        const size_t rec = FUSE_DIRENT_ALIGN(FUSE_NAME_OFFSET_DIRENTPLUS + d.namelen);
+        if (d.namelen > 1024 || FUSE_NAME_OFFSET_DIRENTPLUS + d.namelen > len - pos) {
+          *why = "has an entry running past its end";
+          return false;
+        }
+        const absl::string_view name(msg + pos + FUSE_NAME_OFFSET_DIRENTPLUS, d.namelen);
+        if (Load<uint64_t>(msg + pos) != 0 && !IsDot(name)) named.emplace_back(pos, name);
+        pos += std::min(rec, len - pos);
+      }
+      for (const auto& [pos, name] : named) {
+        const uint64_t got = nodes_.AddKernelEntry(r.node, name, Load<uint64_t>(msg + pos));
+        Store<uint64_t>(msg + pos, got);
+      }
+      return true;
+    }
+    case FUSE_RENAME:
+    case FUSE_RENAME2:
+      nodes_.Rename(r.node, r.name, r.node2, r.name2, (r.flags & RENAME_EXCHANGE) != 0);
+      return true;
+    case FUSE_UNLINK:
+    case FUSE_RMDIR:
+      nodes_.Unlink(r.node, r.name);
+      return true;
+    default:
+      return true;
+  }
+}
+
+void RelayCore::OnInitReply(char* msg, size_t len, bool replayed) {
+  // fuse_init_out: major 0, minor 4, max_readahead 8, flags 12, max_background 16,
+  // congestion_threshold 18, max_write 20, time_gran 24, max_pages 28, map_alignment 30, flags2 32.
+  const size_t b = kOutHeader;
+  if (len < b + 24) {  // libfuse2 answers the 7.12-era 24 bytes at least
+    out_->Log("relay: the program's INIT reply is too short to read");
+    return;
+  }
+  Store<uint32_t>(msg + b + 12, Load<uint32_t>(msg + b + 12) & ~static_cast<uint32_t>(kUnrelayableInitFlags));
+  if (len >= b + 36) {
+    Store<uint32_t>(msg + b + 32, Load<uint32_t>(msg + b + 32) & ~static_cast<uint32_t>(kUnrelayableInitFlags >> 32));
+  }
+  // A WRITE request (header + fuse_write_in + data) and a READ reply must fit one message.
+  const uint32_t fit = static_cast<uint32_t>((max_message_ - kInHeader - sizeof(fuse_write_in)) / kPage * kPage);
+  uint32_t max_write = Load<uint32_t>(msg + b + 20);
+  if (replayed) {
+    if (max_write < max_write_) {
+      out_->Log(absl::StrCat("relay: the restarted program takes writes of ", max_write,
+                             " bytes at most, the kernel was promised ", max_write_, ": larger writes will fail"));
+    }
+    return;
+  }
+  max_write = std::max<uint32_t>(kPage, std::min(max_write, fit));
+  Store<uint32_t>(msg + b + 20, max_write);
+  max_write_ = max_write;
+  if (len >= b + 30 && (Load<uint32_t>(msg + b + 12) & FUSE_MAX_PAGES)) {
+    const uint16_t pages = Load<uint16_t>(msg + b + 28);
+    Store<uint16_t>(msg + b + 28, static_cast<uint16_t>(std::max<uint32_t>(1, std::min<uint32_t>(pages, fit / kPage))));
+  }
+  init_done_ = true;
+}
+
+void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len) {
+  auto it = own_.find(h.unique);
+  if (it == own_.end()) {
+    Bad(absl::StrCat("a reply to the relay's unique ", h.unique, ", which is not waiting for one"));
+    return;
+  }
+  const Own own = it->second;
+  own_.erase(it);
+  switch (own.kind) {
+    case OwnKind::kInit: {
+      if (h.error != 0) {
+        out_->Log(absl::StrCat("relay: the restarted program refused INIT: ", strerror(-h.error)));
+        return;  // it will exit; the next instance tries again
+      }
+      std::string copy(msg, len);
+      OnInitReply(copy.data(), copy.size(), /*replayed=*/true);
+      ready_ = true;
+      std::vector<uint64_t> queue = std::move(queue_);
+      queue_.clear();
+      std::sort(queue.begin(), queue.end());
+      for (uint64_t unique : queue) Dispatch(unique);
+      Forgets();
+      return;
+    }
+    case OwnKind::kLookup: {
+      const bool ok = h.error == 0 && len >= kOutHeader + sizeof(fuse_entry_out) &&
+                      Load<fuse_entry_out>(msg + kOutHeader).nodeid != 0;
+      if (ok) {
+        ++stats_.resolved;
+        nodes_.BindResolved(own.id, Load<fuse_entry_out>(msg + kOutHeader).nodeid);
+      } else if (Node* n = nodes_.Find(own.id)) {
+        out_->Log(absl::StrCat("relay: '", n->name, "' (node ", own.id, ") no longer resolves in the restarted program: ",
+                               h.error != 0 ? strerror(-h.error) : "no entry"));
+      }
+      Resolved(own.id, ok);
+      Forgets();
+      return;
+    }
+    case OwnKind::kOpen: {
+      auto hit = handles_.find(own.id);
+      if (hit == handles_.end()) return;  // released meanwhile: nothing to give back (the program closes on exit)
+      if (h.error == 0 && len >= kOutHeader + sizeof(fuse_open_out)) {
+        ++stats_.reopened;
+        hit->second.pfh = Load<fuse_open_out>(msg + kOutHeader).fh;
+        hit->second.instance = instance_;
+        Reopened(own.id, 0);
+      } else {
+        Reopened(own.id, h.error != 0 ? -h.error : EIO);
+      }
+      return;
+    }
+    case OwnKind::kCheck:
+      OnCheckReply(own.id, msg, len);
+      return;
+  }
+}
+
+void RelayCore::OnNotification(char* msg, size_t len) {
+  const fuse_out_header h = OutHeader(msg);
+  const char* body = msg + kOutHeader;
+  auto translate = [&](size_t off, const char* what) {
+    if (len < kOutHeader + off + 8) {
+      Bad(absl::StrCat("a short ", what, " notification"));
+      return false;
+    }
+    const uint64_t pid = Load<uint64_t>(body + off);
+    const uint64_t kid = pid == kRootId ? kRootId : nodes_.KidOfPid(pid);
+    if (kid == 0) {
+      Bad(absl::StrCat("a ", what, " notification naming node ", pid, ", which the kernel does not know"));
+      return false;
+    }
+    Store<uint64_t>(msg + kOutHeader + off, kid);
+    return true;
+  };
+  switch (h.error) {
+    case FUSE_NOTIFY_POLL:
+      break;
+    case FUSE_NOTIFY_INVAL_INODE:
+      if (!translate(offsetof(fuse_notify_inval_inode_out, ino), "INVAL_INODE")) return;
+      break;
+    case FUSE_NOTIFY_INVAL_ENTRY:
+      if (!translate(offsetof(fuse_notify_inval_entry_out, parent), "INVAL_ENTRY")) return;
+      break;
+    case FUSE_NOTIFY_DELETE:
+      if (!translate(offsetof(fuse_notify_delete_out, parent), "DELETE") ||
+          !translate(offsetof(fuse_notify_delete_out, child), "DELETE")) {
+        return;
+      }
+      break;
+    case FUSE_NOTIFY_STORE:
+      if (!translate(offsetof(fuse_notify_store_out, nodeid), "STORE")) return;
+      break;
+    case FUSE_NOTIFY_RETRIEVE:
+      if (!translate(offsetof(fuse_notify_retrieve_out, nodeid), "RETRIEVE")) return;
+      break;
+    default:
+      // RESEND and later codes concern the device itself, which the program does not hold.
+      Bad(absl::StrCat("notification ", h.error, ", which the relay does not pass on"));
+      return;
+  }
+  out_->ToKernel(msg, len);
+}
+
+}  // namespace fusekeeper::relay

@@ -1,0 +1,178 @@
+// RelayCore: the launcher's FUSE relay, without I/O. The kernel's /dev/fuse connection stays with
+// the launcher; the program it runs gets one end of a SOCK_SEQPACKET socket pair instead, and
+// every message passes through here:
+//
+//   kernel request → FromKernel → (translated) → ToProgram
+//   program reply  → FromProgram → (translated) → ToKernel
+//
+// What it keeps (so that a program instance can die and the next one carry on, the kernel none
+// the wiser):
+//  - the kernel's FUSE_INIT request (replayed to every new instance, flags masked);
+//  - every node the kernel holds (NodeTable: parent, name, lookup counts);
+//  - every open file and directory handle: the kernel sees handles the relay issues, mapped to
+//    the current instance's (reopened with the original flags on first use after a restart);
+//  - every request in flight, as the kernel sent it.
+// When the program dies (ProgramGone) the requests it had not answered wait; when the next
+// instance is attached (ProgramStarted) it is given the INIT, and then every request is sent to
+// it again, translated: a node it has not seen is looked up by path from the root first (one
+// LOOKUP per path component, on first use), a handle is reopened first. Requests that may have
+// taken effect in the dead instance (MKDIR, UNLINK, RENAME, CREATE...) are checked with a LOOKUP
+// before they are sent again (see RelayCore::Check in the .cc for the decision per op).
+//
+// What cannot be restored fails that one request (the kernel gets an error, never a hang): a
+// node with no path (an open file that was unlinked, a name that now means another file) or
+// whose path no longer resolves → ESTALE; a handle the new instance refuses to reopen → its
+// error; a CREATE the dead instance may have done → EIO. Bad input from the program (short,
+// oversized or inconsistent replies, unknown uniques, notifications naming unknown nodes) is
+// dropped with a log line, and a request it was meant to answer gets EIO; the relay never
+// aborts the connection.
+//
+// Not thread-safe: one thread (the relay's loop) calls everything.
+#pragma once
+
+#include <linux/fuse.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include <chrono>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "agent/fkserve/relay/node_table.h"
+
+namespace fusekeeper::relay {
+
+class RelayOutput {
+ public:
+  virtual ~RelayOutput() = default;
+  // One whole message for the kernel. Must not block (writes to /dev/fuse never do).
+  virtual void ToKernel(const char* data, size_t len) = 0;
+  // One whole message for the program: the iovecs concatenated. The data is only valid during
+  // the call (copy it to queue it).
+  virtual void ToProgram(const iovec* iov, int iovcnt) = 0;
+  virtual void Log(const std::string& line) = 0;
+};
+
+struct RelayStats {
+  uint64_t instances = 0;          // program instances attached
+  uint64_t requests = 0;           // kernel requests relayed (not counting FORGETs)
+  uint64_t resent = 0;             // requests sent again to a new instance
+  uint64_t resolved = 0;           // nodes looked up again by path
+  uint64_t reopened = 0;           // handles opened again
+  uint64_t restore_failures = 0;   // requests failed because what they name could not be restored
+  uint64_t bad_messages = 0;       // malformed or unexpected messages from the program
+  uint64_t done_by_dead = 0;       // non-idempotent requests found done by the dead instance
+  uint64_t answers_since_start = 0;  // replies to the kernel since the last ProgramStarted
+};
+
+class RelayCore {
+ public:
+  // `max_message_bytes`: the largest message the program's socket carries (max_write and
+  // max_pages are clamped to fit a WRITE request and a READ reply in it).
+  RelayCore(RelayOutput* out, size_t max_message_bytes);
+
+  // One request as read from /dev/fuse (len bytes at msg; may be modified).
+  void FromKernel(char* msg, size_t len);
+  // One message as received from the program (may be modified in place and passed on).
+  // `truncated`: it was longer than the buffer it was received in.
+  void FromProgram(char* msg, size_t len, bool truncated = false);
+  // The program instance is gone (all its processes): what it had not answered waits.
+  void ProgramGone();
+  // A new instance is connected: it gets the INIT (if the kernel's was answered already), then
+  // every waiting request.
+  void ProgramStarted();
+
+  bool program_attached() const { return attached_; }
+  // The kernel has its INIT answer (the connection is serving).
+  bool initialized() const { return init_done_; }
+  const RelayStats& stats() const { return stats_; }
+  size_t requests_in_flight() const { return requests_.size(); }
+  size_t handles() const { return handles_.size(); }
+  const NodeTable& nodes() const { return nodes_; }
+  uint32_t max_write() const { return max_write_; }
+
+ private:
+  enum class State { kQueued, kWaiting, kSent };
+  struct Request {
+    std::string msg;  // as the kernel sent it
+    uint32_t opcode = 0;
+    State state = State::kQueued;
+    uint64_t instance = 0;  // the instance it was sent to
+    bool check = false;     // may have taken effect in a dead instance: look before resending
+    uint64_t node = 0;      // header nodeid (kid)
+    uint64_t node2 = 0;     // LINK oldnodeid, RENAME newdir, COPY_FILE_RANGE nodeid_out
+    std::string name;       // the entry's name in `node` (LOOKUP, MKDIR... LINK, RENAME's old)
+    std::string name2;      // RENAME's new name
+    uint32_t flags = 0;     // OPEN/CREATE open flags, RENAME2 flags
+  };
+  struct Handle {
+    uint64_t kid = 0;
+    uint32_t flags = 0;
+    bool dir = false;
+    uint64_t pfh = 0;
+    uint64_t instance = 0;  // the instance pfh belongs to
+    bool opening = false;
+    bool lost = false;
+    int lost_error = 0;
+    std::vector<uint64_t> waiters;  // request uniques
+  };
+  enum class OwnKind { kInit, kLookup, kOpen, kCheck };
+  struct Own {
+    OwnKind kind;
+    uint64_t id;  // kid (kLookup), kernel fh (kOpen), kernel unique (kCheck)
+  };
+  struct Waiter {
+    enum Kind { kRequest, kNode, kHandle } kind;
+    uint64_t id;
+  };
+
+  // Request flow.
+  bool ParseRequest(Request& r);
+  void Dispatch(uint64_t unique);
+  void Send(Request& r, uint64_t unique);
+  void Check(Request& r, uint64_t unique);
+  void OnCheckReply(uint64_t unique, const char* msg, size_t len);
+  void Complete(uint64_t unique);
+  void EraseHandle(uint64_t kfh);
+  void Fail(uint64_t unique, int error, const std::string& why);
+  void Reply(const char* data, size_t len);
+  void Forgets();
+  void ForgetInProgram(uint64_t pid, uint64_t count);
+  void OnForget(const char* msg, size_t len);
+
+  // Restoring a node (by path) and a handle (reopen) in the current instance.
+  void WaitNode(uint64_t kid, Waiter w);
+  void StartResolve(uint64_t kid);
+  void Resolved(uint64_t kid, bool ok);
+  void StartReopen(uint64_t kfh);
+  void Reopened(uint64_t kfh, int error);
+  uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
+
+  // Replies.
+  bool TranslateReply(Request& r, char* msg, size_t len, std::string* why);
+  void OnOwnReply(const fuse_out_header& h, const char* msg, size_t len);
+  void OnInitReply(char* msg, size_t len, bool replayed);
+  void OnNotification(char* msg, size_t len);
+  void Bad(const std::string& what);
+
+  RelayOutput* const out_;
+  const size_t max_message_;
+  NodeTable nodes_;
+  std::unordered_map<uint64_t, Request> requests_;  // by kernel unique
+  std::vector<uint64_t> queue_;                     // uniques waiting for a ready instance
+  std::unordered_map<uint64_t, Handle> handles_;    // by kernel fh
+  uint64_t next_fh_ = 1;
+  std::unordered_map<uint64_t, Own> own_;           // by own unique
+  uint64_t next_own_ = 0;
+  std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
+  uint64_t instance_ = 0;  // current instance number (1 = first)
+  bool attached_ = false;
+  bool ready_ = false;     // attached, and (after a restart) its replayed INIT answered
+  bool init_done_ = false;
+  std::string init_request_;  // the kernel's INIT, as sent
+  uint32_t max_write_ = 0;    // negotiated with the kernel
+  RelayStats stats_;
+};
+
+}  // namespace fusekeeper::relay

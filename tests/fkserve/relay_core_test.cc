@@ -1,0 +1,472 @@
+// RelayCore against FakeInstance (an in-memory FUSE program) and a kernel played by the test:
+// what a program restart must not change for the kernel (node ids, handles, requests in
+// flight), what it cannot restore (and how that fails), bad input from the program, and a
+// property test of random traffic with random kills.
+#include "agent/fkserve/relay/relay_core.h"
+
+#include <fcntl.h>
+#include <linux/fs.h>
+
+#include <memory>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "tests/fkserve/fake_program.h"
+
+namespace fusekeeper::relay {
+namespace {
+
+using testing::Bytes;
+using testing::Disk;
+using testing::ErrorOf;
+using testing::FakeInstance;
+using testing::Wires;
+
+constexpr size_t kMaxMessage = (1 << 20) + 4096;
+
+class RelayCoreTest : public ::testing::Test {
+ protected:
+  void Start() {
+    prog_ = std::make_unique<FakeInstance>(&disk_, ++instances_ * 1000000);
+    core_.ProgramStarted();
+  }
+  // kill -9: what was sent to it and not answered stays unanswered.
+  void Kill() {
+    if (prog_) {
+      for (const std::string& v : prog_->violations) ADD_FAILURE() << "instance " << instances_ << ": " << v;
+    }
+    prog_.reset();
+    wires_.to_program.clear();
+    core_.ProgramGone();
+  }
+  // The program handles what it was sent, but dies before its replies get out.
+  void DoWorkThenKill() {
+    for (const std::string& m : wires_.to_program) prog_->Handle(m);
+    wires_.to_program.clear();
+    Kill();
+  }
+  void Pump() {
+    while (!wires_.to_program.empty()) {
+      std::string m = wires_.to_program.front();
+      wires_.to_program.erase(wires_.to_program.begin());
+      if (!prog_) continue;
+      std::string r = prog_->Handle(m);
+      if (!r.empty()) core_.FromProgram(r.data(), r.size());
+    }
+  }
+  uint64_t Send(uint32_t op, uint64_t nodeid, const std::string& body) {
+    const uint64_t u = next_unique_;
+    next_unique_ += 2;
+    std::string m = testing::Request(op, u, nodeid, body);
+    core_.FromKernel(m.data(), m.size());
+    return u;
+  }
+  std::string ReplyTo(uint64_t unique) {
+    auto it = wires_.replies.find(unique);
+    return it == wires_.replies.end() ? "" : it->second;
+  }
+  std::string Call(uint32_t op, uint64_t nodeid, const std::string& body) {
+    const uint64_t u = Send(op, nodeid, body);
+    Pump();
+    std::string r = ReplyTo(u);
+    EXPECT_FALSE(r.empty()) << OpName(op) << " got no reply";
+    return r;
+  }
+  fuse_init_out Init() {
+    fuse_init_in in{};
+    in.major = 7;
+    in.minor = 38;
+    in.flags = FUSE_MAX_PAGES | FUSE_SPLICE_READ | FUSE_SPLICE_WRITE | FUSE_INIT_EXT;
+    const std::string r = Call(FUSE_INIT, 0, Bytes(in));
+    return Load<fuse_init_out>(r.data() + sizeof(fuse_out_header));
+  }
+  uint64_t Lookup(uint64_t dir, const std::string& name) {
+    const std::string r = Call(FUSE_LOOKUP, dir, name + std::string(1, '\0'));
+    if (r.size() < sizeof(fuse_out_header) + sizeof(fuse_entry_out) || ErrorOf(r) != 0) return 0;
+    return Load<fuse_entry_out>(r.data() + sizeof(fuse_out_header)).nodeid;
+  }
+  uint64_t Open(uint64_t node, uint32_t flags = O_RDWR) {
+    fuse_open_in in{};
+    in.flags = flags;
+    const std::string r = Call(FUSE_OPEN, node, Bytes(in));
+    EXPECT_EQ(ErrorOf(r), 0);
+    return Load<fuse_open_out>(r.data() + sizeof(fuse_out_header)).fh;
+  }
+  std::string ReadBody(uint64_t node, uint64_t fh, uint64_t off, uint32_t size) {
+    fuse_read_in in{};
+    in.fh = fh;
+    in.offset = off;
+    in.size = size;
+    return Bytes(in);
+  }
+  std::string Read(uint64_t node, uint64_t fh) {
+    const std::string r = Call(FUSE_READ, node, ReadBody(node, fh, 0, 4096));
+    if (ErrorOf(r) != 0) return absl::StrCat("error ", ErrorOf(r));
+    return r.substr(sizeof(fuse_out_header));
+  }
+  void TearDown() override {
+    if (prog_) {
+      for (const std::string& v : prog_->violations) ADD_FAILURE() << "instance " << instances_ << ": " << v;
+    }
+    EXPECT_TRUE(wires_.duplicate_replies.empty()) << "a request was answered twice";
+    EXPECT_EQ(core_.nodes().CheckInvariantsForTest(), "");
+  }
+
+  Disk disk_;
+  Wires wires_;
+  RelayCore core_{&wires_, kMaxMessage};
+  std::unique_ptr<FakeInstance> prog_;
+  int instances_ = 0;
+  uint64_t next_unique_ = 2;
+};
+
+TEST_F(RelayCoreTest, InitIsMaskedAndSizedAndIdsPassUnchangedInTheFirstInstance) {
+  const uint64_t dir = disk_.Make(1, "d", true);
+  disk_.Make(dir, "f", false, "hello");
+  Start();
+  const fuse_init_out init = Init();
+  EXPECT_EQ(init.flags & (FUSE_SPLICE_READ | FUSE_SPLICE_WRITE | FUSE_SPLICE_MOVE), 0u) << "splice cannot be relayed";
+  EXPECT_LE(init.max_write + sizeof(fuse_in_header) + sizeof(fuse_write_in), kMaxMessage);
+  EXPECT_LE(init.max_pages * 4096u, kMaxMessage);
+  // The request the program saw did not offer splice either.
+  const uint64_t d = Lookup(FUSE_ROOT_ID, "d");
+  EXPECT_EQ(d, prog_->base() + dir) << "the first instance's ids are the kernel's";
+  const uint64_t f = Lookup(d, "f");
+  const uint64_t fh = Open(f);
+  EXPECT_EQ(Read(f, fh), "hello");
+}
+
+TEST_F(RelayCoreTest, ARestartedProgramResolvesNodesByPathAndReopensHandles) {
+  const uint64_t a = disk_.Make(1, "a", true);
+  const uint64_t b = disk_.Make(a, "b", true);
+  disk_.Make(b, "file", false, "deep data");
+  Start();
+  Init();
+  const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
+  const uint64_t kb = Lookup(ka, "b");
+  const uint64_t kf = Lookup(kb, "file");
+  const uint64_t fh = Open(kf, O_RDONLY);
+  fuse_open_in din{};
+  const std::string dr = Call(FUSE_OPENDIR, kb, Bytes(din));
+  ASSERT_EQ(ErrorOf(dr), 0);
+  Kill();
+  Start();
+  Pump();  // the replayed INIT
+  EXPECT_EQ(Read(kf, fh), "deep data") << "the kernel's node id and handle still work";
+  EXPECT_EQ(ErrorOf(Call(FUSE_GETATTR, kb, Bytes(fuse_getattr_in{}))), 0);
+  EXPECT_EQ(core_.stats().resolved, 3u) << "a, b and file looked up again, once each";
+  EXPECT_EQ(core_.stats().reopened, 1u) << "only the file handle that was used";
+  EXPECT_EQ(prog_->lookups(b), 1u) << "one reference held for the kernel's";
+  // Releasing the directory handle the new instance never opened is answered by the relay.
+  fuse_release_in rel{};
+  rel.fh = Load<fuse_open_out>(dr.data() + sizeof(fuse_out_header)).fh;
+  EXPECT_EQ(ErrorOf(Call(FUSE_RELEASEDIR, kb, Bytes(rel))), 0);
+  rel.fh = fh;
+  EXPECT_EQ(ErrorOf(Call(FUSE_RELEASE, kf, Bytes(rel))), 0);
+  EXPECT_EQ(prog_->open_handles(), 0u);
+  EXPECT_EQ(core_.handles(), 0u);
+  // The kernel forgets everything: the new instance gets back exactly what it gave.
+  for (uint64_t k : {kf, kb, ka}) {
+    fuse_forget_in f{1};
+    std::string m = testing::Request(FUSE_FORGET, next_unique_, k, Bytes(f));
+    next_unique_ += 2;
+    core_.FromKernel(m.data(), m.size());
+    Pump();
+  }
+  EXPECT_EQ(prog_->lookups(a) + prog_->lookups(b), 0u);
+  EXPECT_EQ(core_.nodes().size(), 1u) << "only the root is left";
+}
+
+TEST_F(RelayCoreTest, RequestsInFlightWhenTheProgramDiesAreAnsweredByTheNext) {
+  disk_.Make(1, "f", false, "in flight");
+  Start();
+  Init();
+  const uint64_t kf = Lookup(FUSE_ROOT_ID, "f");
+  const uint64_t fh = Open(kf);
+  const uint64_t u = Send(FUSE_READ, kf, ReadBody(kf, fh, 3, 100));
+  ASSERT_EQ(wires_.to_program.size(), 1u);
+  Kill();
+  // More arrive while no program runs: they wait.
+  const uint64_t later = Send(FUSE_GETATTR, kf, Bytes(fuse_getattr_in{}));
+  EXPECT_TRUE(wires_.to_program.empty());
+  EXPECT_EQ(ReplyTo(u), "");
+  Start();
+  Pump();
+  ASSERT_NE(ReplyTo(u), "");
+  EXPECT_EQ(ReplyTo(u).substr(sizeof(fuse_out_header)), "flight");
+  EXPECT_EQ(ErrorOf(ReplyTo(later)), 0);
+  EXPECT_EQ(core_.stats().resent, 1u);
+}
+
+TEST_F(RelayCoreTest, AProgramThatDiesBeforeAnsweringInitGetsItsInitResent) {
+  Start();
+  fuse_init_in in{};
+  in.major = 7;
+  in.minor = 38;
+  const uint64_t u = Send(FUSE_INIT, 0, Bytes(in));
+  Kill();
+  Start();
+  Pump();
+  ASSERT_NE(ReplyTo(u), "");
+  EXPECT_EQ(ErrorOf(ReplyTo(u)), 0);
+  EXPECT_TRUE(core_.initialized());
+}
+
+TEST_F(RelayCoreTest, AnOpenFileThatWasUnlinkedFailsWithEstaleAfterARestart) {
+  disk_.Make(1, "gone", false, "x");
+  disk_.Make(1, "kept", false, "y");
+  Start();
+  Init();
+  const uint64_t kg = Lookup(FUSE_ROOT_ID, "gone");
+  const uint64_t kk = Lookup(FUSE_ROOT_ID, "kept");
+  const uint64_t fg = Open(kg), fk = Open(kk);
+  ASSERT_EQ(ErrorOf(Call(FUSE_UNLINK, FUSE_ROOT_ID, std::string("gone") + '\0')), 0);
+  Kill();
+  Start();
+  Pump();
+  EXPECT_EQ(Read(kg, fg), absl::StrCat("error ", -ESTALE));
+  EXPECT_EQ(Read(kk, fk), "y") << "one lost file fails alone";
+  EXPECT_EQ(core_.stats().restore_failures, 1u);
+}
+
+TEST_F(RelayCoreTest, APathRenamedBeforeTheRestartResolvesUnderItsNewName) {
+  const uint64_t d = disk_.Make(1, "old", true);
+  disk_.Make(d, "f", false, "moved");
+  Start();
+  Init();
+  const uint64_t kd = Lookup(FUSE_ROOT_ID, "old");
+  const uint64_t kf = Lookup(kd, "f");
+  fuse_rename_in in{};
+  in.newdir = FUSE_ROOT_ID;
+  ASSERT_EQ(ErrorOf(Call(FUSE_RENAME, FUSE_ROOT_ID, Bytes(in) + "old" + '\0' + "new" + '\0')), 0);
+  Kill();
+  Start();
+  Pump();
+  const uint64_t fh = Open(kf, O_RDONLY);
+  EXPECT_EQ(Read(kf, fh), "moved");
+}
+
+TEST_F(RelayCoreTest, WorkTheDeadProgramDidIsNotDoneTwice) {
+  disk_.Make(1, "victim", false, "x");
+  const uint64_t src = disk_.Make(1, "src", false, "s");
+  (void)src;
+  Start();
+  Init();
+  // UNLINK done, reply lost: the relay sees the name gone and answers 0 (a resend would say ENOENT).
+  const uint64_t unlink = Send(FUSE_UNLINK, FUSE_ROOT_ID, std::string("victim") + '\0');
+  // MKDIR done, reply lost: the relay answers with the directory that now exists (not EEXIST).
+  fuse_mkdir_in mk{};
+  mk.mode = 0755;
+  const uint64_t mkdir = Send(FUSE_MKDIR, FUSE_ROOT_ID, Bytes(mk) + "made" + '\0');
+  // RENAME done, reply lost.
+  fuse_rename_in rn{};
+  rn.newdir = FUSE_ROOT_ID;
+  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, Bytes(rn) + "src" + '\0' + "dst" + '\0');
+  DoWorkThenKill();
+  Start();
+  Pump();
+  EXPECT_EQ(ErrorOf(ReplyTo(unlink)), 0);
+  ASSERT_EQ(ErrorOf(ReplyTo(mkdir)), 0);
+  const uint64_t kmade = Load<fuse_entry_out>(ReplyTo(mkdir).data() + sizeof(fuse_out_header)).nodeid;
+  EXPECT_NE(kmade, 0u);
+  EXPECT_EQ(ErrorOf(Call(FUSE_GETATTR, kmade, Bytes(fuse_getattr_in{}))), 0);
+  EXPECT_EQ(ErrorOf(ReplyTo(rename)), 0);
+  EXPECT_EQ(core_.stats().done_by_dead, 3u);
+  EXPECT_EQ(Lookup(FUSE_ROOT_ID, "dst") != 0, true);
+}
+
+TEST_F(RelayCoreTest, BadRepliesFailOnlyTheirRequestAndNeverTheConnection) {
+  disk_.Make(1, "f", false, "data");
+  Start();
+  Init();
+  const uint64_t kf = Lookup(FUSE_ROOT_ID, "f");
+  auto inject = [&](std::string m) { core_.FromProgram(m.data(), m.size()); };
+  // A reply to a unique nobody asked: dropped.
+  inject(testing::Reply(999998, 0, ""));
+  // Shorter than a header: dropped.
+  inject("abc");
+  // Length field lying: its request gets EIO.
+  uint64_t u = Send(FUSE_GETATTR, kf, Bytes(fuse_getattr_in{}));
+  wires_.to_program.clear();
+  std::string lie = testing::Reply(u, 0, Bytes(fuse_attr_out{}));
+  Store<uint32_t>(lie.data(), 4);
+  inject(lie);
+  EXPECT_EQ(ErrorOf(ReplyTo(u)), -EIO);
+  // An entry reply too short for its entry: EIO.
+  u = Send(FUSE_LOOKUP, FUSE_ROOT_ID, std::string("f") + '\0');
+  wires_.to_program.clear();
+  inject(testing::Reply(u, 0, "short"));
+  EXPECT_EQ(ErrorOf(ReplyTo(u)), -EIO);
+  // A positive error: EIO.
+  u = Send(FUSE_GETATTR, kf, Bytes(fuse_getattr_in{}));
+  wires_.to_program.clear();
+  inject(testing::Reply(u, 5, ""));
+  EXPECT_EQ(ErrorOf(ReplyTo(u)), -EIO);
+  // The same unique answered twice: the second is dropped.
+  inject(testing::Reply(u, 0, ""));
+  // A notification naming a node the kernel does not know: dropped, not passed on.
+  fuse_notify_inval_inode_out inval{};
+  inval.ino = 123456789;
+  inject(testing::Reply(0, FUSE_NOTIFY_INVAL_INODE, Bytes(inval)));
+  EXPECT_TRUE(wires_.notifications.empty());
+  // One naming a known node is passed on with the kernel's id.
+  inval.ino = prog_->base() + 2;
+  inject(testing::Reply(0, FUSE_NOTIFY_INVAL_INODE, Bytes(inval)));
+  ASSERT_EQ(wires_.notifications.size(), 1u);
+  EXPECT_EQ(Load<fuse_notify_inval_inode_out>(wires_.notifications[0].data() + sizeof(fuse_out_header)).ino, kf);
+  // A truncated (oversized) reply: EIO.
+  u = Send(FUSE_GETATTR, kf, Bytes(fuse_getattr_in{}));
+  wires_.to_program.clear();
+  std::string big = testing::Reply(u, 0, "x");
+  core_.FromProgram(big.data(), big.size(), /*truncated=*/true);
+  EXPECT_EQ(ErrorOf(ReplyTo(u)), -EIO);
+  EXPECT_GE(core_.stats().bad_messages, 7u);
+  // And the relay still works.
+  EXPECT_EQ(Read(kf, Open(kf)), "data");
+}
+
+// Random traffic from a kernel that plays by the rules, against instances killed at random
+// moments (with work done and replies lost, or not): every request is answered exactly once,
+// never with an error while the file it names still exists under its path, every instance sees
+// only ids it issued and is never over-forgotten, and the table's invariants hold throughout.
+TEST_F(RelayCoreTest, PropertyRandomTrafficAndKills) {
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    std::mt19937 rng(seed);
+    disk_ = Disk();
+    for (int i = 0; i < 4; ++i) {
+      const uint64_t d = disk_.Make(1, absl::StrCat("d", i), true);
+      for (int j = 0; j < 4; ++j) disk_.Make(d, absl::StrCat("f", j), false, absl::StrCat("content ", i, j));
+    }
+    wires_ = Wires();
+    core_.~RelayCore();
+    new (&core_) RelayCore(&wires_, kMaxMessage);
+    instances_ = 0;
+    Start();
+    Init();
+    struct Known {
+      uint64_t kid;
+      std::string content;
+      uint64_t lookups;
+    };
+    std::map<std::string, Known> known;  // "i/j" → the kernel's node for d<i>/f<j>
+    std::map<uint64_t, uint64_t> dirs;   // i → kid, with its lookup count
+    std::map<uint64_t, uint64_t> dir_lookups;
+    struct Open {
+      uint64_t fh, kid;
+      std::string content;
+    };
+    std::vector<Open> open;
+    std::map<uint64_t, std::string> expect_read;  // unique → content
+    std::map<uint64_t, uint64_t> read_fh;         // unique → fh
+    // The kernel releases a handle only when no read on it is pending, and keeps a node while a
+    // file is open on it.
+    auto busy = [&](uint64_t fh) {
+      for (const auto& [u, f] : read_fh) {
+        if (f == fh && ReplyTo(u).empty()) return true;
+      }
+      return false;
+    };
+    auto opened = [&](uint64_t kid) {
+      for (const Open& o : open) {
+        if (o.kid == kid) return true;
+      }
+      return false;
+    };
+    for (int step = 0; step < 300; ++step) {
+      const int i = static_cast<int>(rng() % 4), j = static_cast<int>(rng() % 4);
+      const std::string key = absl::StrCat(i, "/", j);
+      switch (rng() % 8) {
+        case 0:
+        case 1: {  // look up a file (and its directory)
+          if (!dirs.count(i)) {
+            const uint64_t kd = Lookup(FUSE_ROOT_ID, absl::StrCat("d", i));
+            if (kd == 0) break;  // a reply still waits for a program: fine, try later
+            dirs[i] = kd;
+            ++dir_lookups[i];
+          }
+          const uint64_t kf = Lookup(dirs[i], absl::StrCat("f", j));
+          if (kf == 0) break;
+          auto& k = known[key];
+          if (k.kid != 0) EXPECT_EQ(k.kid, kf) << "the same file keeps its kernel id";
+          k.kid = kf;
+          k.content = absl::StrCat("content ", i, j);
+          ++k.lookups;
+          break;
+        }
+        case 2: {  // open and read, maybe leaving the read in flight
+          if (!known.count(key)) break;
+          const std::string r = Call(FUSE_OPEN, known[key].kid, Bytes(fuse_open_in{}));
+          if (r.empty()) break;
+          ASSERT_EQ(ErrorOf(r), 0);
+          const uint64_t fh = Load<fuse_open_out>(r.data() + sizeof(fuse_out_header)).fh;
+          open.push_back({fh, known[key].kid, known[key].content});
+          const uint64_t u = Send(FUSE_READ, known[key].kid, ReadBody(0, fh, 0, 4096));
+          expect_read[u] = known[key].content;
+          read_fh[u] = fh;
+          if (rng() % 2) Pump();
+          break;
+        }
+        case 3: {  // read an open handle
+          if (open.empty()) break;
+          const Open& o = open[rng() % open.size()];
+          const uint64_t u = Send(FUSE_READ, o.kid, ReadBody(0, o.fh, 0, 4096));
+          expect_read[u] = o.content;
+          read_fh[u] = o.fh;
+          break;
+        }
+        case 4: {  // forget some
+          if (!known.count(key) || known[key].lookups == 0) break;
+          uint64_t n = 1 + rng() % known[key].lookups;
+          if (n == known[key].lookups && opened(known[key].kid)) --n;
+          if (n == 0) break;
+          fuse_forget_in f{n};
+          std::string m = testing::Request(FUSE_FORGET, next_unique_, known[key].kid, Bytes(f));
+          next_unique_ += 2;
+          core_.FromKernel(m.data(), m.size());
+          if ((known[key].lookups -= n) == 0) known.erase(key);
+          break;
+        }
+        case 5: {  // release
+          if (open.empty()) break;
+          const size_t at = rng() % open.size();
+          if (busy(open[at].fh)) break;
+          fuse_release_in rel{};
+          rel.fh = open[at].fh;
+          Send(FUSE_RELEASE, open[at].kid, Bytes(rel));
+          open.erase(open.begin() + static_cast<long>(at));
+          break;
+        }
+        case 6:
+          Pump();
+          break;
+        case 7:  // kill, maybe after it did work it could not answer
+          if (rng() % 4 != 0) break;
+          if (rng() % 2) {
+            DoWorkThenKill();
+          } else {
+            Kill();
+          }
+          Start();
+          break;
+      }
+      ASSERT_EQ(core_.nodes().CheckInvariantsForTest(), "") << "step " << step;
+    }
+    Pump();
+    for (const auto& [u, content] : expect_read) {
+      const std::string r = ReplyTo(u);
+      ASSERT_FALSE(r.empty()) << "read " << u << " never answered";
+      EXPECT_EQ(ErrorOf(r), 0) << "read " << u;
+      EXPECT_EQ(r.substr(sizeof(fuse_out_header)), content);
+    }
+    EXPECT_EQ(core_.requests_in_flight(), 0u);
+    for (const std::string& v : prog_->violations) ADD_FAILURE() << v;
+    prog_->violations.clear();
+    EXPECT_TRUE(wires_.duplicate_replies.empty());
+    // A file is never stale while it was not touched by anything but reads.
+    EXPECT_EQ(core_.stats().restore_failures, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace fusekeeper::relay
