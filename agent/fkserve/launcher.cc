@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <memory>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -25,12 +27,15 @@
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/relay/relay.h"
 #include "agent/fkserve/stop_signals.h"
 
 namespace fusekeeper {
 namespace {
 
 volatile sig_atomic_t pending_stop_signal = 0;
+// A stop signal was passed on to the program: its end is not a crash to restart from.
+bool stop_requested = false;
 void RecordStopSignal(int sig) { pending_stop_signal = sig; }
 
 
@@ -179,36 +184,45 @@ std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& progr
   return out;
 }
 
-int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
-  const int sock = sock_fd.get();
-  auto fail = [sock](int code, const std::string& why) {
-    ReplyToAgent(sock, false, why);
-    fprintf(stderr, "fkserve: %s\n", why.c_str());
-    return code;
-  };
-  if (o.program.empty()) return fail(2, "launch: no program given (fkserve launch -- <program> [args])");
-  PrivateDir dir;
-  std::string error;
-  if (!MakePrivateDir(o, &dir, &error)) return fail(5, error);
-  // fkserve's fusermount asks for the connection here.
-  auto service = FusermountService::Start(dir.socket, fuse_fd.get(), o.read_only, &error);
-  if (!service) return fail(5, error);
+namespace {
+
+// One instance of the program: its processes, the fusermount that hands it the connection (a
+// second mount is refused, so each instance gets its own), and its stderr.
+struct Instance {
+  pid_t child = -1;
+  std::unique_ptr<FusermountService> service;
+  std::unique_ptr<StderrTail> tail;
+  std::chrono::steady_clock::time_point started;
+};
+
+// Starts the program on `conn` (the connection, or the relay's socket for it). Blocking until
+// exec has worked or failed; false with *error if it could not start.
+bool Spawn(const LaunchOptions& o, const PrivateDir& dir, int conn, Instance* inst, std::string* error) {
+  unlink(dir.socket.c_str());  // an earlier instance's
+  inst->service = FusermountService::Start(dir.socket, conn, o.read_only, error);
+  if (!inst->service) return false;
   // The program also inherits the connection as a plain (non close-on-exec) fd: /dev/fd/{fd},
   // and the preload library's stand-in for a missing /dev/fuse.
-  const int inherit = fcntl(fuse_fd.get(), F_DUPFD, 3);
-  if (inherit < 0) return fail(5, absl::StrCat("dup: ", strerror(errno)));
+  const int inherit = fcntl(conn, F_DUPFD, 3);
+  if (inherit < 0) {
+    *error = absl::StrCat("dup: ", strerror(errno));
+    return false;
+  }
   const std::vector<std::string> args = ExpandProgramArgs(o.program, inherit, dir.mountpoint);
   // Learn whether exec worked through a close-on-exec pipe: it closes on success.
   int p[2];
   int err_pipe[2];
-  if (pipe2(p, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) return fail(5, "pipe");
-  // Orphans the program leaves (a daemonizing program's real server) become our children.
-  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
-    fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
-            strerror(errno));
+  if (pipe2(p, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+    close(inherit);
+    *error = absl::StrCat("pipe: ", strerror(errno));
+    return false;
   }
-  pid_t child = fork();
-  if (child < 0) return fail(5, absl::StrCat("fork: ", strerror(errno)));
+  const pid_t child = fork();
+  if (child < 0) {
+    *error = absl::StrCat("fork: ", strerror(errno));
+    for (int fd : {inherit, p[0], p[1], err_pipe[0], err_pipe[1]}) close(fd);
+    return false;
+  }
   if (child == 0) {
     close(p[0]);
     dup2(err_pipe[1], STDERR_FILENO);
@@ -239,36 +253,34 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     (void)!write(p[1], &err, sizeof(err));
     _exit(127);
   }
-  // Without SA_RESTART: the wait is interrupted, and the launcher passes the signal on.
-  HandleStopSignals(RecordStopSignal, /*restart=*/false);
   close(p[1]);
   close(err_pipe[1]);
   close(inherit);
-  StderrTail tail(err_pipe[0]);
-  // Our own dup (close-on-exec: the program never sees it) is only for re-depositing.
-  UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
-  fuse_fd.Reset();
+  inst->child = child;
+  inst->started = std::chrono::steady_clock::now();
+  inst->tail = std::make_unique<StderrTail>(err_pipe[0]);
   int exec_errno = 0;
   ssize_t n;
   do {
     n = read(p[0], &exec_errno, sizeof(exec_errno));
   } while (n < 0 && errno == EINTR);
   close(p[0]);
-  const std::string name = o.program[0];
   if (n == sizeof(exec_errno)) {
     waitpid(child, nullptr, 0);
-    return fail(127, absl::StrCat("could not start ", name, ": ", strerror(exec_errno)));
+    *error = absl::StrCat("could not start ", o.program[0], ": ", strerror(exec_errno));
+    return false;
   }
-  ReplyToAgent(sock, true, "");
-  if (o.mark_ready) o.mark_ready(true);
-  // The connection stays open while the program serves (and is re-deposited with a restarted
-  // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
-  // there is none to re-deposit: its successors get a fresh connection.
-  AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
-  link.Start();
-  // What fkserve's fusermount refused or did not apply reaches the volume's Events now.
-  service->OnProblem([&link, name](const std::string& p) { link.Notice(absl::StrCat(name, ": fusermount ", p)); });
-  // Until the last of the program's processes has ended.
+  return true;
+}
+
+// How an instance ended: its name and status; for a daemonizing program, its last process's.
+struct Ending {
+  std::string why;
+  int status = 0;  // the wait status that stands for the whole
+};
+
+// Blocking: until the last of the instance's processes has ended, passing stop signals on.
+Ending WaitForInstance(const std::string& name, pid_t child) {
   int program_status = 0, last_status = 0;
   pid_t last_pid = child;
   bool program_done = false;
@@ -276,6 +288,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   while (true) {
     if (const int sig = pending_stop_signal; sig != 0) {
       pending_stop_signal = 0;
+      stop_requested = true;
       for (pid_t pid : Children()) kill(pid, sig);
     }
     int status = 0;
@@ -296,19 +309,167 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
       }
     }
   }
-  if (o.mark_ready) o.mark_ready(false);
-  std::string why = absl::StrCat(name, " ", Describe(program_done && reaped == 1 ? program_status : last_status));
+  Ending e;
+  e.why = absl::StrCat(name, " ", Describe(program_done && reaped == 1 ? program_status : last_status));
   if (reaped > 1) {
-    why = absl::StrCat(name, " ", Describe(program_status), "; its last process (pid ", last_pid, ") ",
-                       Describe(last_status));
+    e.why = absl::StrCat(name, " ", Describe(program_status), "; its last process (pid ", last_pid, ") ",
+                         Describe(last_status));
   }
-  service->OnProblem(nullptr);  // the link is about to go
-  const std::vector<std::string> problems = service->problems();
+  e.status = reaped > 1 ? last_status : program_status;
+  return e;
+}
+
+// Bounded backoff between restarts: the first at once (a crash costs no more than a start), then
+// 100 ms doubling to 5 s while the program keeps dying young.
+std::chrono::milliseconds RestartDelay(int young_deaths) {
+  if (young_deaths <= 1) return std::chrono::milliseconds(0);
+  return std::min(std::chrono::milliseconds(100) * (1 << std::min(young_deaths - 2, 6)),
+                  std::chrono::milliseconds(5000));
+}
+
+// Blocking; false if a stop signal came first.
+bool SleepUnlessStopped(std::chrono::milliseconds d) {
+  timespec left{static_cast<time_t>(d.count() / 1000), static_cast<long>(d.count() % 1000) * 1000000};
+  while (nanosleep(&left, &left) != 0 && errno == EINTR) {
+    if (pending_stop_signal != 0) return false;
+  }
+  return pending_stop_signal == 0;
+}
+
+}  // namespace
+
+int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
+  const int sock = sock_fd.get();
+  auto fail = [sock](int code, const std::string& why) {
+    ReplyToAgent(sock, false, why);
+    fprintf(stderr, "fkserve: %s\n", why.c_str());
+    return code;
+  };
+  if (o.program.empty()) return fail(2, "launch: no program given (fkserve launch -- <program> [args])");
+  const std::string name = o.program[0];
+  PrivateDir dir;
+  std::string error;
+  if (!MakePrivateDir(o, &dir, &error)) return fail(5, error);
+  // Without SA_RESTART: the wait is interrupted, and the launcher passes the signal on. (The
+  // program resets them before exec.)
+  HandleStopSignals(RecordStopSignal, /*restart=*/false);
+  // Orphans the program leaves (a daemonizing program's real server) become our children.
+  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+    fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
+            strerror(errno));
+  }
+  // Relayed (the default), the launcher keeps the kernel's connection and each instance of the
+  // program gets a socket of its own; direct, the program gets the connection itself.
+  AgentLink* link_for_callbacks = nullptr;
+  std::mutex link_mu;
+  std::string last_death;  // guarded by link_mu
+  std::atomic<bool> connection_ended{false};
+  std::unique_ptr<relay::Relay> relay;
+  if (o.relay) {
+    relay::RelayCallbacks cb;
+    cb.log = [](const std::string& line) { fprintf(stderr, "fkserve: %s\n", line.c_str()); };
+    cb.connection_ended = [&connection_ended] {
+      connection_ended = true;
+      for (pid_t pid : Children()) kill(pid, SIGTERM);  // it may not notice its socket closing
+    };
+    cb.first_answer = [&, name](std::chrono::nanoseconds took, const relay::RelayStats& st) {
+      if (st.instances <= 1) return;
+      std::lock_guard<std::mutex> lock(link_mu);
+      const std::string text = absl::StrCat(
+          "relay: ", name, " restarted (", st.instances - 1, " restart(s) so far) after it ", last_death,
+          "; serving again ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+          " ms after its start, with the connection kept: ", st.resent, " request(s) resent, ", st.resolved,
+          " node(s) looked up again, ", st.reopened, " handle(s) reopened, ", st.restore_failures,
+          " request(s) that could not be restored so far");
+      fprintf(stderr, "fkserve: %s\n", text.c_str());
+      if (link_for_callbacks != nullptr) link_for_callbacks->Notice(text);
+    };
+    auto r = relay::Relay::Start(fuse_fd.get(), std::move(cb));
+    if (!r.ok()) return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message()));
+    relay = std::move(*r);
+  }
+  auto connection_for_instance = [&](UniqueFd* holder) -> int {
+    if (!relay) return fuse_fd.get();
+    auto theirs = relay->NewInstanceSocket();
+    if (!theirs.ok()) return -1;
+    *holder = std::move(*theirs);
+    return holder->get();
+  };
+  Instance inst;
+  {
+    UniqueFd theirs;
+    const int conn = connection_for_instance(&theirs);
+    if (conn < 0) return fail(5, "the relay could not make a socket for the program");
+    if (!Spawn(o, dir, conn, &inst, &error)) return fail(absl::StartsWith(error, "could not start") ? 127 : 5, error);
+  }
+  ReplyToAgent(sock, true, "");
+  if (o.mark_ready) o.mark_ready(true);
+  // The connection stays open while the program serves (and is re-deposited with a restarted
+  // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
+  // there is none to re-deposit: its successors get a fresh connection.
+  UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
+  if (!relay) fuse_fd.Reset();
+  AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
+  link.Start();
+  {
+    std::lock_guard<std::mutex> lock(link_mu);
+    link_for_callbacks = &link;
+  }
+  // What fkserve's fusermount refused or did not apply reaches the volume's Events now.
+  auto watch_problems = [&link, name](FusermountService* service) {
+    service->OnProblem([&link, name](const std::string& p) { link.Notice(absl::StrCat(name, ": fusermount ", p)); });
+  };
+  watch_problems(inst.service.get());
+  int young_deaths = 0;
+  Ending end;
+  while (true) {
+    end = WaitForInstance(name, inst.child);
+    inst.service->OnProblem(nullptr);
+    if (!relay || stop_requested || connection_ended || pending_stop_signal != 0) break;
+    // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
+    // its end is reported at once, as for a direct one.
+    if (!relay->Snapshot().served) break;
+    // Relayed: the kernel's connection is kept, requests wait, and the program starts again.
+    if (std::chrono::steady_clock::now() - inst.started >= o.stable_after) young_deaths = 0;
+    if (++young_deaths > o.max_restarts) {
+      end.why = absl::StrCat(end.why, "; gave up after ", o.max_restarts, " restarts in a row that each died within ",
+                             std::chrono::duration_cast<std::chrono::seconds>(o.stable_after).count(), " s");
+      break;
+    }
+    const auto delay = RestartDelay(young_deaths);
+    const std::string last = inst.tail->Last();
+    {
+      std::lock_guard<std::mutex> lock(link_mu);
+      last_death = last.empty() ? Describe(end.status) : absl::StrCat(Describe(end.status), " (its last words: ", last, ")");
+    }
+    fprintf(stderr, "fkserve: %s; the relay keeps the connection: restarting it%s\n", end.why.c_str(),
+            delay.count() > 0 ? absl::StrCat(" in ", delay.count(), " ms").c_str() : "");
+    if (delay.count() > 0 && !SleepUnlessStopped(delay)) break;
+    Instance next;
+    UniqueFd theirs;
+    const int conn = connection_for_instance(&theirs);
+    if (conn < 0 || !Spawn(o, dir, conn, &next, &error)) {
+      fprintf(stderr, "fkserve: restarting %s: %s\n", name.c_str(), error.c_str());
+      if (next.tail) next.tail->Last();
+      inst.started = std::chrono::steady_clock::now();  // counts as another young death
+      continue;
+    }
+    inst = std::move(next);
+    watch_problems(inst.service.get());
+  }
+  if (o.mark_ready) o.mark_ready(false);
+  std::string why = end.why;
+  const std::vector<std::string> problems = inst.service->problems();
   if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
-  if (const std::string last = tail.Last(); !last.empty()) absl::StrAppend(&why, "; its last words: ", last);
+  if (const std::string last = inst.tail->Last(); !last.empty()) absl::StrAppend(&why, "; its last words: ", last);
+  {
+    std::lock_guard<std::mutex> lock(link_mu);
+    link_for_callbacks = nullptr;
+  }
+  if (relay) relay->Stop();
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
-  const int final_status = reaped > 1 ? last_status : program_status;
+  const int final_status = end.status;
   return WIFEXITED(final_status) ? WEXITSTATUS(final_status) : 128 + WTERMSIG(final_status);
 }
 

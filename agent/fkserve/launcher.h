@@ -9,6 +9,12 @@
 //    the connection. The launcher puts it first on $PATH (go-fuse, bazil) and preloads
 //    libfkserve_preload.so (libfuse2/3 exec fusermount by absolute path first).
 //
+// Relayed (LaunchOptions::relay, the default), the program never holds the kernel's connection:
+// it gets one end of a socket pair as if it were the connection, the launcher relays (see
+// relay/relay_core.h), and when every process of the program has ended the launcher starts it
+// again on a new socket with the connection kept (bounded backoff; a crash loop is given up on
+// and reported). Direct, the program gets the connection itself and its end ends the launcher.
+//
 // Programs that daemonize (sshfs or s3fs without -f, rclone --daemon) are followed: the launcher
 // is a child subreaper, so their descendants stay its children; the server lives while any of
 // them does, and its end is reported to the agent with the program's name and exit status (a
@@ -19,6 +25,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
@@ -38,6 +45,14 @@ struct LaunchOptions {
   std::string fusermount;            // fkserve-fusermount: the fusermount links point at it
   std::string preload;               // libfkserve_preload.so ("": none)
   std::function<void(bool)> mark_ready;  // serving starts (true) / ends (false)
+  // Relayed (the default): the launcher keeps the kernel's connection, the program gets a socket
+  // (relay/relay_core.h), and a program that dies is started again with the connection kept:
+  // pods see slower answers, not errors. Direct: the program gets the connection itself.
+  bool relay = true;
+  // Restarts in a row of instances that each died within stable_after, before giving up (the
+  // end is reported to the agent as for a direct program).
+  int max_restarts = 8;
+  std::chrono::milliseconds stable_after{10000};
 };
 
 // Runs the program on `fuse_fd`, answering the handoff on `sock`; returns fkserve's exit status:

@@ -50,6 +50,13 @@ DEFINE_string(fusermount, "auto",
 DEFINE_string(preload, "auto",
               "launch: libfkserve_preload.so, preloaded into the program so that libfuse finds fkserve's "
               "fusermount (auto: next to fkserve; empty: none)");
+DEFINE_bool(direct, false,
+            "launch: hand the kernel's connection to the program itself instead of relaying it (raw speed; "
+            "but a program that dies ends the launcher, and its successor gets a fresh connection: pods see "
+            "errors and lose their open files)");
+DEFINE_int32(max_restarts, 8,
+             "launch (relayed): restarts in a row of a program that keeps dying within 10 s before the "
+             "launcher gives up and reports it");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "
@@ -205,6 +212,8 @@ int main(int argc, char** argv) {
       lo.preload.clear();
     }
     lo.mark_ready = MarkReady;
+    lo.relay = !FLAGS_direct;
+    lo.max_restarts = FLAGS_max_restarts;
     return fusekeeper::Launch(std::move(sock), std::move(msg->fd), lo);
   }
 

@@ -2,8 +2,9 @@
 // `fkserve launch` and its fusermount: each is given an ordinary directory ({mountpoint}) and
 // mounts it the normal way. For each, from a container-like pod view made before anything goes
 // wrong: the file it serves reads; a write goes through where the program is writable; kill -9 of
-// the program (all its processes: daemonizing ones leave their server behind) is recovered with a
-// fresh connection when it is started again; unpublish leaves nothing mounted and no process.
+// the program (all its processes: daemonizing ones leave their server behind) costs the pod no
+// failed read (issue 20: the launcher relays the connection and starts the program again);
+// unpublish leaves nothing mounted and no process.
 // The Debian packages come from scripts/setup.sh; a program that is not installed is skipped
 // with the reason printed.
 #include <dirent.h>
@@ -193,7 +194,9 @@ TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
     const std::string wrote = WriteAsServerUid(target + "/written.txt", "written through the volume\n");
     EXPECT_EQ(wrote, "written through the volume\n") << launcher->Stderr();
   }
-  // kill -9 of every process of the program (a daemonized one runs on without its parent).
+  // kill -9 of every process of the program (a daemonized one runs on without its parent): the
+  // launcher keeps the kernel's connection (relayed, its default) and starts the program again;
+  // the app in the pod sees slower reads, never a failed one.
   std::set<pid_t> procs;
   ASSERT_TRUE(WithDeadline([&] {
                 procs = ProgramProcesses(launcher->pid());
@@ -201,24 +204,27 @@ TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
               }).value_or(false));
   view->Mark(want);
   for (pid_t p : procs) kill(p, SIGKILL);
-  ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << launcher->Stderr();
-  EXPECT_NE(launcher->Stderr().find("was killed by signal 9"), std::string::npos) << launcher->Stderr();
-  Subprocess* again = StartServer(socket, launch);
+  ASSERT_TRUE(launcher->WaitForStderr("restart(s) so far)", 1, std::chrono::milliseconds(20000)))
+      << prog.name << ": " << launcher->Stderr();
   ASSERT_TRUE(view->WaitForReadsOf(want)) << prog.name << " after kill -9: last '" << view->last() << "' errors "
-                                          << view->errors() << "\n" << again->Stderr() << agent_->Stderr();
-  auto healed = view->HealedAfterMark();
-  ASSERT_TRUE(healed.has_value());
-  // The figures for the README's table.
-  std::cout << "RESULT " << prog.name << ": healed " << healed->count() / 1000 << " ms after kill -9 (the next "
-            << "launcher started at once), " << view->errors_after_mark() << " failed reads (one every 20 ms)\n";
+                                          << view->errors() << "\n" << launcher->Stderr() << agent_->Stderr();
+  EXPECT_EQ(view->errors_after_mark(), 0) << prog.name << ": the pod saw errors across the restart\n"
+                                          << launcher->Stderr();
+  EXPECT_FALSE(launcher->Wait(std::chrono::milliseconds(1)).has_value()) << "the launcher lives on";
+  // The figures for the README's table: the relay's own account of the restart.
+  const std::string log = launcher->Stderr();
+  const size_t at = log.find("serving again ");
+  std::cout << "RESULT " << prog.name << ": " << view->errors_after_mark() << " failed reads (one every 20 ms) across "
+            << "kill -9; " << (at == std::string::npos ? "?" : log.substr(at, log.find(" after its start", at) - at))
+            << " after the restart\n";
   view->Stop();
   {
     grpc::Status s = Unpublish("prog", target);
     ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
   }
   EXPECT_EQ(MountCountAt(target), 0);
-  ASSERT_TRUE(again->Wait(std::chrono::milliseconds(20000)).has_value()) << "the program ends with its volume\n"
-                                                                         << again->Stderr();
+  ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << "the program ends with its volume\n"
+                                                                            << launcher->Stderr();
 }
 
 INSTANTIATE_TEST_SUITE_P(Programs, ProgramsE2ETest, ::testing::ValuesIn(kPrograms), ProgramName);

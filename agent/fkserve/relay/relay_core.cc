@@ -779,6 +779,7 @@ void RelayCore::OnInitReply(char* msg, size_t len, bool replayed) {
     Store<uint16_t>(msg + b + 28, static_cast<uint16_t>(std::max<uint32_t>(1, std::min<uint32_t>(pages, fit / kPage))));
   }
   init_done_ = true;
+  stats_.served = true;
 }
 
 void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len) {

@@ -56,6 +56,7 @@ class RelayOutput {
 
 struct RelayStats {
   uint64_t instances = 0;          // program instances attached
+  bool served = false;             // the kernel's INIT was answered: the program has served
   uint64_t requests = 0;           // kernel requests relayed (not counting FORGETs)
   uint64_t resent = 0;             // requests sent again to a new instance
   uint64_t resolved = 0;           // nodes looked up again by path
