@@ -57,6 +57,9 @@ DEFINE_bool(direct, false,
 DEFINE_int32(max_restarts, 8,
              "launch (relayed): restarts in a row of a program that keeps dying within 10 s before the "
              "launcher gives up and reports it");
+DEFINE_int32(restart_window_ms, 10000,
+             "launch (relayed): a program that dies within this long of its start counts towards "
+             "--max_restarts and is restarted after a growing delay");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "
@@ -214,6 +217,7 @@ int main(int argc, char** argv) {
     lo.mark_ready = MarkReady;
     lo.relay = !FLAGS_direct;
     lo.max_restarts = FLAGS_max_restarts;
+    lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);
     return fusekeeper::Launch(std::move(sock), std::move(msg->fd), lo);
   }
 

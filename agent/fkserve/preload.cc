@@ -9,6 +9,12 @@
 //    with "fuse: device not found" when the open fails (an unprivileged container has no such
 //    device). If opening /dev/fuse fails, a dup of the volume's connection ($FKSERVE_FUSE_FD) is
 //    returned: mount(2) then fails with EPERM and libfuse asks fusermount, as it should.
+//  - Relayed (fkserve launch's default), the program's connection is a SOCK_SEQPACKET socket,
+//    where each FUSE message must be one socket message. libfuse splices large replies (READ)
+//    from a pipe when the program asks for FUSE_CAP_SPLICE_WRITE (fuse-overlayfs does: libfuse
+//    offers splice whatever the kernel's INIT says), and a splice into a socket sends a message
+//    per pipe buffer, so the reply would arrive in pieces. A splice into a SOCK_SEQPACKET socket
+//    is done here instead as a read of the pipe and one send.
 // Go programs (go-fuse, bazil) exec fusermount from $PATH, where the launcher puts fkserve's
 // first; they do not need this library. Static binaries ignore LD_PRELOAD.
 #ifndef _GNU_SOURCE
@@ -21,6 +27,8 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace {
@@ -52,9 +60,44 @@ F Next(const char* name) {
   return reinterpret_cast<F>(dlsym(RTLD_NEXT, name));
 }
 
+bool IsSeqpacketSocket(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+  int type = 0;
+  socklen_t len = sizeof(type);
+  return getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_SEQPACKET;
+}
+
 }  // namespace
 
 extern "C" {
+
+ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out, size_t len, unsigned int flags) {
+  static auto real = Next<ssize_t (*)(int, loff_t*, int, loff_t*, size_t, unsigned int)>("splice");
+  if (off_out != nullptr || !IsSeqpacketSocket(fd_out)) return real(fd_in, off_in, fd_out, off_out, len, flags);
+  char* buf = static_cast<char*>(malloc(len > 0 ? len : 1));
+  if (buf == nullptr) {
+    errno = ENOMEM;
+    return -1;
+  }
+  size_t got = 0;
+  while (got < len) {
+    const ssize_t n = off_in != nullptr ? pread(fd_in, buf + got, len - got, *off_in + static_cast<loff_t>(got))
+                                        : read(fd_in, buf + got, len - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (off_in != nullptr) *off_in += static_cast<loff_t>(got);
+  ssize_t sent;
+  do {
+    sent = send(fd_out, buf, got, MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  const int err = errno;
+  free(buf);
+  errno = err;
+  return sent;
+}
 
 int execve(const char* path, char* const argv[], char* const envp[]) {
   static auto real = Next<int (*)(const char*, char* const[], char* const[])>("execve");

@@ -98,6 +98,24 @@ class Reader {
     std::lock_guard<std::mutex> lock(state_->mu);
     return state_->errors_after_mark;
   }
+  // Child: what containerd does for a HostToContainer volume mount: `view` becomes, in a mount
+  // namespace of the caller's own, an rslave recursive bind of `target`. On failure, reports
+  // "!<step>: <error>" on `out` and exits.
+  static void EnterPodView(const char* target, const char* view, int out) {
+    const char* step = nullptr;
+    if (unshare(CLONE_NEWNS) != 0) {
+      step = "unshare(CLONE_NEWNS)";
+    } else if (mount(target, view, nullptr, MS_BIND | MS_REC, nullptr) != 0) {
+      step = "rbind of the target";
+    } else if (mount(nullptr, view, nullptr, MS_SLAVE | MS_REC, nullptr) != 0) {
+      step = "making the view rslave";
+    }
+    if (step == nullptr) return;
+    char msg[256];
+    const int len = snprintf(msg, sizeof(msg), "!%s: %s", step, strerror(errno));
+    send(out, msg, static_cast<size_t>(len), MSG_NOSIGNAL);
+    _exit(1);
+  }
   // The last thing read ("" after an error).
   std::string last() const {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -136,22 +154,6 @@ class Reader {
     std::optional<Clock::time_point> first_ok_after_mark;
     int64_t errors_after_mark = 0;
   };
-  // Child: what containerd does for a HostToContainer volume mount.
-  static void EnterPodView(const char* target, const char* view, int out) {
-    const char* step = nullptr;
-    if (unshare(CLONE_NEWNS) != 0) {
-      step = "unshare(CLONE_NEWNS)";
-    } else if (mount(target, view, nullptr, MS_BIND | MS_REC, nullptr) != 0) {
-      step = "rbind of the target";
-    } else if (mount(nullptr, view, nullptr, MS_SLAVE | MS_REC, nullptr) != 0) {
-      step = "making the view rslave";
-    }
-    if (step == nullptr) return;
-    char msg[256];
-    const int len = snprintf(msg, sizeof(msg), "!%s: %s", step, strerror(errno));
-    send(out, msg, static_cast<size_t>(len), MSG_NOSIGNAL);
-    _exit(1);
-  }
   // Child: one message per read: "+content" or "-errno".
   [[noreturn]] static void ReadForever(const char* path, int out, int pace_ms) {
     char msg[512];

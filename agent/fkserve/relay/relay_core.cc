@@ -618,7 +618,10 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
     return;
   }
   if (h.len != len) {
-    fail_its_request(absl::StrCat("its header says ", h.len, " bytes, the message has ", len));
+    fail_its_request(absl::StrCat("its header says ", h.len, " bytes, the message has ", len,
+                                  h.len > len ? " (a reply written in pieces, e.g. spliced without fkserve's preload "
+                                                "library: each FUSE message must be one write)"
+                                              : ""));
     return;
   }
   if (h.unique == 0) {
