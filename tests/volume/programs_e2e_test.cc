@@ -265,7 +265,7 @@ class RelayWorkloadTest : public ProgramsE2ETest {};
 
 TEST_P(RelayWorkloadTest, OpenFilesSurviveRepeatedKills) {
   const Program& prog = GetParam();
-  std::vector<std::string> launch = {"--restart_window_ms=20"};  // the kills here are not a crash loop
+  std::vector<std::string> launch = {"--restart_window_ms=0"};  // the kills here are not a crash loop
   const std::string skip = Prepare(prog, &launch, [&](const std::string& src) {
     if (!prog.starts_empty) PodWorkload::CreateFiles(src);
   });

@@ -18,6 +18,8 @@ constexpr uint32_t kPage = 4096;
 // holds one: fuse_copy_file_range_in's fh_out ends at 40 + 32).
 constexpr size_t kPatchPrefix = 128;
 
+constexpr int kMaxDeathsPerRequest = 3;
+
 bool IsDot(absl::string_view name) { return name == "." || name == ".."; }
 
 bool UsesHeaderNode(uint32_t opcode) {
@@ -182,7 +184,28 @@ void RelayCore::Dispatch(uint64_t unique) {
       Fail(unique, EBADF, absl::StrCat(OpName(r.opcode), " names file handle ", kfh, ", which the relay never issued"));
       return;
     }
-    if (h->second.instance == instance_) continue;
+    if (h->second.instance == instance_) {
+      Handle& hd = h->second;
+      const bool listing = r.opcode == FUSE_READDIR || r.opcode == FUSE_READDIRPLUS;
+      if (listing && hd.needs_prime && r.msg.size() >= kInHeader + sizeof(fuse_read_in)) {
+        if (Load<fuse_read_in>(r.msg.data() + kInHeader).offset == 0) {
+          hd.needs_prime = false;  // read from 0 anyway
+        } else {
+          hd.waiters.push_back(unique);
+          if (!hd.priming) {
+            hd.priming = true;
+            fuse_read_in in = Load<fuse_read_in>(r.msg.data() + kInHeader);
+            in.fh = hd.pfh;
+            in.offset = 0;
+            own_prime_plus_ = r.opcode == FUSE_READDIRPLUS;
+            SendOwn(OwnKind::kPrime, kfh, r.opcode, nodes_.Find(hd.kid)->pid,
+                    std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+          }
+          return;
+        }
+      }
+      continue;
+    }
     if (r.opcode == FUSE_RELEASE || r.opcode == FUSE_RELEASEDIR || r.opcode == FUSE_FLUSH) {
       // Nothing to close or flush in an instance that never opened it.
       if (r.opcode != FUSE_FLUSH) EraseHandle(kfh);
@@ -556,14 +579,25 @@ void RelayCore::ProgramGone() {
   nodes_.NewInstance();
   for (auto& [kfh, h] : handles_) {
     h.opening = false;
+    h.priming = false;
     h.waiters.clear();
   }
+  std::vector<uint64_t> poison;
   for (auto& [unique, r] : requests_) {
     if (r.state == State::kSent && IsNonIdempotent(r.opcode)) r.check = true;
     if (r.state != State::kQueued) {
+      // A request that is being served each time the program dies may be what kills it.
+      if (++r.deaths >= kMaxDeathsPerRequest) {
+        poison.push_back(unique);
+        continue;
+      }
       r.state = State::kQueued;
       queue_.push_back(unique);
     }
+  }
+  for (uint64_t unique : poison) {
+    Fail(unique, EIO, absl::StrCat("the program died ", kMaxDeathsPerRequest,
+                                   " times in a row while serving it: not sent again"));
   }
 }
 
@@ -830,6 +864,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
         ++stats_.reopened;
         hit->second.pfh = Load<fuse_open_out>(msg + kOutHeader).fh;
         hit->second.instance = instance_;
+        hit->second.needs_prime = hit->second.dir;
         Reopened(own.id, 0);
       } else {
         Reopened(own.id, h.error != 0 ? -h.error : EIO);
@@ -839,6 +874,25 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
     case OwnKind::kCheck:
       OnCheckReply(own.id, msg, len);
       return;
+    case OwnKind::kPrime: {
+      // The listing read from 0 only to let the program resume: give back the lookups a
+      // READDIRPLUS took (the kernel never sees these entries).
+      for (size_t pos = kOutHeader; h.error == 0 && pos + FUSE_NAME_OFFSET_DIRENTPLUS <= len;) {
+        const auto d = Load<fuse_dirent>(msg + pos + sizeof(fuse_entry_out));
+        const size_t rec = FUSE_DIRENT_ALIGN(FUSE_NAME_OFFSET_DIRENTPLUS + d.namelen);
+        if (d.namelen > 1024 || pos + FUSE_NAME_OFFSET_DIRENTPLUS + d.namelen > len) break;
+        const absl::string_view name(msg + pos + FUSE_NAME_OFFSET_DIRENTPLUS, d.namelen);
+        const uint64_t pid = Load<uint64_t>(msg + pos);
+        if (own_prime_plus_ && pid != 0 && !IsDot(name)) ForgetInProgram(pid, 1);
+        pos += rec;
+      }
+      auto hit = handles_.find(own.id);
+      if (hit == handles_.end()) return;
+      hit->second.priming = false;
+      hit->second.needs_prime = false;
+      Reopened(own.id, 0);  // wakes what waited
+      return;
+    }
   }
 }
 

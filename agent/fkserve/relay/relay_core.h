@@ -101,6 +101,7 @@ class RelayCore {
     State state = State::kQueued;
     uint64_t instance = 0;  // the instance it was sent to
     bool check = false;     // may have taken effect in a dead instance: look before resending
+    int deaths = 0;         // instances that died while it was being served
     uint64_t node = 0;      // header nodeid (kid)
     uint64_t node2 = 0;     // LINK oldnodeid, RENAME newdir, COPY_FILE_RANGE nodeid_out
     std::string name;       // the entry's name in `node` (LOOKUP, MKDIR... LINK, RENAME's old)
@@ -114,14 +115,19 @@ class RelayCore {
     uint64_t pfh = 0;
     uint64_t instance = 0;  // the instance pfh belongs to
     bool opening = false;
+    // A directory reopened in this instance, not read from offset 0 yet: libfuse's high-level
+    // API (sshfs, bindfs, s3fs...) lists a directory once per handle, from offset 0, and cannot
+    // resume a fresh handle elsewhere (sshfs asserts). Read once from 0 before resuming.
+    bool needs_prime = false;
+    bool priming = false;
     bool lost = false;
     int lost_error = 0;
     std::vector<uint64_t> waiters;  // request uniques
   };
-  enum class OwnKind { kInit, kLookup, kOpen, kCheck };
+  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime };
   struct Own {
     OwnKind kind;
-    uint64_t id;  // kid (kLookup), kernel fh (kOpen), kernel unique (kCheck)
+    uint64_t id;  // kid (kLookup), kernel fh (kOpen, kPrime), kernel unique (kCheck)
   };
   struct Waiter {
     enum Kind { kRequest, kNode, kHandle } kind;
@@ -166,6 +172,7 @@ class RelayCore {
   uint64_t next_fh_ = 1;
   std::unordered_map<uint64_t, Own> own_;           // by own unique
   uint64_t next_own_ = 0;
+  bool own_prime_plus_ = false;  // the priming listing in flight is a READDIRPLUS
   std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
   uint64_t instance_ = 0;  // current instance number (1 = first)
   bool attached_ = false;
