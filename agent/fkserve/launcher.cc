@@ -369,8 +369,13 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     relay::RelayCallbacks cb;
     cb.log = [](const std::string& line) { fprintf(stderr, "fkserve: %s\n", line.c_str()); };
     cb.connection_ended = [&connection_ended] {
+      // The program's socket is closed (it reads end-of-file, as from an unmounted device); one
+      // that does not stop by itself is asked to after a grace.
       connection_ended = true;
-      for (pid_t pid : Children()) kill(pid, SIGTERM);  // it may not notice its socket closing
+      std::thread([] {
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        for (pid_t pid : Children()) kill(pid, SIGTERM);
+      }).detach();
     };
     cb.first_answer = [&, name](std::chrono::nanoseconds took, const relay::RelayStats& st) {
       if (st.instances <= 1) return;
@@ -469,6 +474,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   if (relay) relay->Stop();
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
+  // Relayed, the program cannot tell an unmount from its connection closing: the volume was
+  // served until it was unmounted, which is fkserve's 0.
+  if (connection_ended) return 0;
   const int final_status = end.status;
   return WIFEXITED(final_status) ? WEXITSTATUS(final_status) : 128 + WTERMSIG(final_status);
 }

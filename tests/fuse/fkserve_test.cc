@@ -257,6 +257,36 @@ TEST_F(FkserveTest, ALaunchedProgramsExitStatusReachesTheAgent) {
   EXPECT_NE(why.message().find("exited with status 3"), std::string::npos) << why;
 }
 
+// Issue 20: relayed, a program that served and then dies is restarted with the connection kept;
+// one that keeps dying young is given up on after --max_restarts, and its end (with the reason)
+// is reported to the agent as for a program that was never relayed. Nothing is left running.
+TEST_F(FkserveTest, ARelayedProgramThatKeepsDyingIsGivenUpOnAndReported) {
+  MountAndOffer({.volume_id = "v-crashloop"});
+  const std::string marker = export_ + "/served-once";
+  const std::string script = "if [ -e " + marker + " ]; then echo cannot start again >&2; exit 7; fi; touch " + marker +
+                             "; exec " + RunfilePath("tests/testing/hello_fuse") + " /dev/fd/{fd} first";
+  StartServer({"--max_restarts=3", "launch", "--", "/bin/sh", "-c", script});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/hello"), "first");
+  // The program that served dies; every restart exits at once.
+  {
+    std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                           "/children");
+    pid_t program = 0;
+    ASSERT_TRUE(children >> program) << "the launcher's program";
+    ASSERT_EQ(kill(program, SIGKILL), 0);
+  }
+  EXPECT_EQ(ServerExit(), 7) << server_->Stderr();
+  auto gone = gone_.get_future();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  const absl::Status why = gone.get();
+  EXPECT_NE(why.message().find("exited with status 7; gave up after 3 restarts in a row"), std::string::npos) << why;
+  EXPECT_NE(why.message().find("cannot start again"), std::string::npos) << "its last words: " << why;
+  EXPECT_EQ(server_->CountInStderr("restarting it"), 3) << "3 restarts, then it gave up\n"
+                                                        << server_->Stderr();
+  EXPECT_NE(server_->Stderr().find("restarting it in 200 ms"), std::string::npos) << "a growing delay";
+}
+
 TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {
   MountAndOffer({.volume_id = "v-missing"});
   StartServer({"launch", "--", "/nonexistent/fuse-program", "/dev/fd/{fd}"});
