@@ -68,6 +68,8 @@ class FakeInstance {
 
   std::vector<std::string> violations;
   uint32_t max_write = 1 << 20;
+  // Like s3fs: written data stays in the instance until FSYNC or FLUSH puts it on the disk.
+  bool keeps_writes_until_sync = false;
 
   // Handles one request; the reply ("" if none is due).
   std::string Handle(const std::string& m) {
@@ -161,8 +163,9 @@ class FakeInstance {
         const auto in = relay::Load<fuse_write_in>(body);
         if (!CheckFh(in.fh, ino, "WRITE")) return Reply(h.unique, -EBADF, "");
         const std::string data(body + sizeof(in), body_len - sizeof(in));
-        if (node->data.size() < in.offset + data.size()) node->data.resize(in.offset + data.size());
-        node->data.replace(in.offset, data.size(), data);
+        std::string& target = keeps_writes_until_sync ? Cached(ino) : node->data;
+        if (target.size() < in.offset + data.size()) target.resize(in.offset + data.size());
+        target.replace(in.offset, data.size(), data);
         fuse_write_out out{};
         out.size = static_cast<uint32_t>(data.size());
         return Reply(h.unique, 0, Bytes(out));
@@ -174,9 +177,14 @@ class FakeInstance {
         open_.erase(in.fh);
         return Reply(h.unique, 0, "");
       }
-      case FUSE_FLUSH: {
-        const auto in = relay::Load<fuse_flush_in>(body);
-        if (!CheckFh(in.fh, ino, "FLUSH")) return Reply(h.unique, -EBADF, "");
+      case FUSE_FLUSH:
+      case FUSE_FSYNC: {
+        const uint64_t fh = relay::Load<uint64_t>(body);
+        if (!CheckFh(fh, ino, relay::OpName(h.opcode).c_str())) return Reply(h.unique, -EBADF, "");
+        if (auto it = cache_.find(ino); it != cache_.end()) {
+          node->data = it->second;
+          cache_.erase(it);
+        }
         return Reply(h.unique, 0, "");
       }
       default:
@@ -193,6 +201,11 @@ class FakeInstance {
 
  private:
   void Violation(const std::string& v) { violations.push_back(v); }
+  std::string& Cached(uint64_t ino) {
+    auto it = cache_.find(ino);
+    if (it == cache_.end()) it = cache_.emplace(ino, disk_->inodes[ino].data).first;
+    return it->second;
+  }
   Inode* Find(uint64_t ino) {
     auto it = disk_->inodes.find(ino);
     return it == disk_->inodes.end() ? nullptr : &it->second;
@@ -245,6 +258,7 @@ class FakeInstance {
   bool inited_ = false;
   std::map<uint64_t, uint64_t> counts_;  // pid → lookups
   std::map<uint64_t, uint64_t> open_;    // fh → ino
+  std::map<uint64_t, std::string> cache_;  // ino → data not synced yet
   uint64_t next_fh_ = 1;
 };
 

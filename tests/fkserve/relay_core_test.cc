@@ -275,6 +275,38 @@ TEST_F(RelayCoreTest, WorkTheDeadProgramDidIsNotDoneTwice) {
   EXPECT_EQ(Lookup(FUSE_ROOT_ID, "dst") != 0, true);
 }
 
+// A program that keeps written data until it syncs (s3fs) dies after answering WRITEs: the
+// relay writes them again into the reopened handle, so the app's fsync after the restart makes
+// them durable instead of succeeding over lost data.
+TEST_F(RelayCoreTest, WritesTheDeadProgramHadNotSyncedAreWrittenAgain) {
+  const uint64_t ino = disk_.Make(1, "f", false, "");
+  Start();
+  prog_->keeps_writes_until_sync = true;
+  Init();
+  const uint64_t kf = Lookup(FUSE_ROOT_ID, "f");
+  const uint64_t fh = Open(kf, O_WRONLY | O_APPEND);
+  auto write = [&](uint64_t off, const std::string& data) {
+    fuse_write_in in{};
+    in.fh = fh;
+    in.offset = off;
+    in.size = static_cast<uint32_t>(data.size());
+    return ErrorOf(Call(FUSE_WRITE, kf, Bytes(in) + data));
+  };
+  ASSERT_EQ(write(0, "synced "), 0);
+  fuse_fsync_in sync{};
+  sync.fh = fh;
+  ASSERT_EQ(ErrorOf(Call(FUSE_FSYNC, kf, Bytes(sync))), 0);
+  ASSERT_EQ(write(7, "then accepted"), 0);
+  EXPECT_EQ(disk_.inodes[ino].data, "synced ") << "the program holds the rest";
+  Kill();
+  Start();
+  prog_->keeps_writes_until_sync = true;
+  Pump();
+  EXPECT_EQ(ErrorOf(Call(FUSE_FSYNC, kf, Bytes(sync))), 0);
+  EXPECT_EQ(disk_.inodes[ino].data, "synced then accepted") << "written again at its offset, once";
+  EXPECT_EQ(core_.stats().writes_replayed, 1u) << "only what was not synced";
+}
+
 TEST_F(RelayCoreTest, BadRepliesFailOnlyTheirRequestAndNeverTheConnection) {
   disk_.Make(1, "f", false, "data");
   Start();

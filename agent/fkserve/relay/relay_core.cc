@@ -19,6 +19,8 @@ constexpr uint32_t kPage = 4096;
 constexpr size_t kPatchPrefix = 128;
 
 constexpr int kMaxDeathsPerRequest = 3;
+// Per handle: what a program may hold unsynced that the relay can give to its successor.
+constexpr size_t kMaxUnsyncedBytes = 32 << 20;
 
 bool IsDot(absl::string_view name) { return name == "." || name == ".."; }
 
@@ -186,6 +188,12 @@ void RelayCore::Dispatch(uint64_t unique) {
     }
     if (h->second.instance == instance_) {
       Handle& hd = h->second;
+      if (hd.maybe_lost && (r.opcode == FUSE_FSYNC || r.opcode == FUSE_FLUSH)) {
+        hd.maybe_lost = false;
+        Fail(unique, EIO, absl::StrCat("writes to file handle ", kfh, " that the program which died had accepted "
+                                       "but not synced may be lost"));
+        return;
+      }
       const bool listing = r.opcode == FUSE_READDIR || r.opcode == FUSE_READDIRPLUS;
       if (listing && hd.needs_prime && r.msg.size() >= kInHeader + sizeof(fuse_read_in)) {
         if (Load<fuse_read_in>(r.msg.data() + kInHeader).offset == 0) {
@@ -206,7 +214,8 @@ void RelayCore::Dispatch(uint64_t unique) {
       }
       continue;
     }
-    if (r.opcode == FUSE_RELEASE || r.opcode == FUSE_RELEASEDIR || r.opcode == FUSE_FLUSH) {
+    const bool unsynced = !h->second.unsynced.empty() || h->second.maybe_lost;
+    if (r.opcode == FUSE_RELEASE || r.opcode == FUSE_RELEASEDIR || (r.opcode == FUSE_FLUSH && !unsynced)) {
       // Nothing to close or flush in an instance that never opened it.
       if (r.opcode != FUSE_FLUSH) EraseHandle(kfh);
       Reply(ErrorReply(unique, 0).data(), kOutHeader);
@@ -447,7 +456,9 @@ void RelayCore::StartReopen(uint64_t kfh) {
   h.opening = true;
   fuse_open_in in{};
   // Reopened as it was opened, less what would change the file again.
-  in.flags = h.flags & ~static_cast<uint32_t>(O_CREAT | O_EXCL | O_TRUNC);
+  // O_APPEND too: the kernel gives every WRITE its offset (the file's size for an append), and
+  // replayed writes must land where they did, not at the end again.
+  in.flags = h.flags & ~static_cast<uint32_t>(O_CREAT | O_EXCL | O_TRUNC | O_APPEND);
   SendOwn(OwnKind::kOpen, kfh, h.dir ? FUSE_OPENDIR : FUSE_OPEN, n->pid,
           std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
 }
@@ -460,7 +471,26 @@ void RelayCore::Reopened(uint64_t kfh, int error) {
   if (error != 0) {
     h.lost = true;
     h.lost_error = error;
+  } else if (!h.unsynced.empty() && h.replayed_in != instance_ && h.instance == instance_) {
+    h.replayed_in = instance_;
+    // Written again, in order, before anything else uses the handle.
+    const uint64_t pid = nodes_.Find(h.kid) != nullptr ? nodes_.Find(h.kid)->pid : 0;
+    for (const std::string& w : h.unsynced) {
+      std::string body = w.substr(kInHeader);
+      Store<uint64_t>(body.data() + offsetof(fuse_write_in, fh), h.pfh);
+      ++h.replaying;
+      ++stats_.writes_replayed;
+      SendOwn(OwnKind::kReplay, kfh, FUSE_WRITE, pid, body);
+    }
+    return;
   }
+  WakeHandle(kfh);
+}
+
+void RelayCore::WakeHandle(uint64_t kfh) {
+  auto it = handles_.find(kfh);
+  if (it == handles_.end()) return;
+  Handle& h = it->second;
   std::vector<uint64_t> waiters = std::move(h.waiters);
   h.waiters.clear();
   for (uint64_t unique : waiters) Dispatch(unique);
@@ -580,7 +610,9 @@ void RelayCore::ProgramGone() {
   for (auto& [kfh, h] : handles_) {
     h.opening = false;
     h.priming = false;
+    h.replaying = 0;
     h.waiters.clear();
+    if (h.unsynced_bytes >= kMaxUnsyncedBytes) h.maybe_lost = true;  // what it held is gone
   }
   std::vector<uint64_t> poison;
   for (auto& [unique, r] : requests_) {
@@ -692,8 +724,36 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
       return;
     }
   }
+  KeepOrSync(r, h.error);
   Reply(msg, len);
   Complete(h.unique);
+}
+
+void RelayCore::KeepOrSync(const Request& r, int error) {
+  if (error != 0 || (r.opcode != FUSE_WRITE && r.opcode != FUSE_FSYNC && r.opcode != FUSE_FLUSH)) return;
+  const long off = FhOffset(r.opcode, r.msg.data(), r.msg.size());
+  if (off < 0) return;
+  auto it = handles_.find(Load<uint64_t>(r.msg.data() + off));
+  if (it == handles_.end()) return;
+  Handle& h = it->second;
+  if (r.opcode != FUSE_WRITE) {  // synced: nothing the program holds is at risk any more
+    h.unsynced.clear();
+    h.unsynced_bytes = 0;
+    h.maybe_lost = false;
+    return;
+  }
+  if (h.unsynced_bytes + r.msg.size() > kMaxUnsyncedBytes) {
+    if (!h.unsynced.empty()) {
+      out_->Log(absl::StrCat("relay: file handle ", it->first, " has over ", kMaxUnsyncedBytes >> 20,
+                             " MiB written since its last fsync: if the program dies before the next one, that "
+                             "fsync or close reports EIO"));
+    }
+    h.unsynced.clear();
+    h.unsynced_bytes = kMaxUnsyncedBytes;  // stays over the bound until a sync
+    return;
+  }
+  h.unsynced.push_back(r.msg);
+  h.unsynced_bytes += r.msg.size();
 }
 
 bool RelayCore::TranslateReply(Request& r, char* msg, size_t len, std::string* why) {
@@ -874,6 +934,17 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
     case OwnKind::kCheck:
       OnCheckReply(own.id, msg, len);
       return;
+    case OwnKind::kReplay: {
+      auto hit = handles_.find(own.id);
+      if (hit == handles_.end()) return;
+      if (h.error != 0) {
+        hit->second.maybe_lost = true;
+        out_->Log(absl::StrCat("relay: writing unsynced data again into file handle ", own.id, " failed: ",
+                               strerror(-h.error), "; its next fsync or close reports EIO"));
+      }
+      if (hit->second.replaying > 0 && --hit->second.replaying == 0) WakeHandle(own.id);
+      return;
+    }
     case OwnKind::kPrime: {
       // The listing read from 0 only to let the program resume: give back the lookups a
       // READDIRPLUS took (the kernel never sees these entries).
@@ -890,7 +961,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
       if (hit == handles_.end()) return;
       hit->second.priming = false;
       hit->second.needs_prime = false;
-      Reopened(own.id, 0);  // wakes what waited
+      WakeHandle(own.id);
       return;
     }
   }

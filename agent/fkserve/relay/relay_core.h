@@ -64,6 +64,7 @@ struct RelayStats {
   uint64_t restore_failures = 0;   // requests failed because what they name could not be restored
   uint64_t bad_messages = 0;       // malformed or unexpected messages from the program
   uint64_t done_by_dead = 0;       // non-idempotent requests found done by the dead instance
+  uint64_t writes_replayed = 0;    // unsynced WRITEs written again into a reopened handle
   uint64_t answers_since_start = 0;  // replies to the kernel since the last ProgramStarted
 };
 
@@ -120,11 +121,21 @@ class RelayCore {
     // resume a fresh handle elsewhere (sshfs asserts). Read once from 0 before resuming.
     bool needs_prime = false;
     bool priming = false;
+    // WRITEs the program answered since the handle's last successful FSYNC or FLUSH (the
+    // kernel's messages): a program that keeps data until it syncs (s3fs uploads on fsync and
+    // close) loses them when it dies, so they are written again into the reopened handle
+    // before anything else uses it. Bounded (kMaxUnsyncedBytes): past that, or if a replay
+    // fails, the handle's next FSYNC or FLUSH answers EIO instead of a success that would lie.
+    std::vector<std::string> unsynced;
+    size_t unsynced_bytes = 0;
+    bool maybe_lost = false;
+    size_t replaying = 0;
+    uint64_t replayed_in = 0;  // the instance they were last written again into
     bool lost = false;
     int lost_error = 0;
     std::vector<uint64_t> waiters;  // request uniques
   };
-  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime };
+  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime, kReplay };
   struct Own {
     OwnKind kind;
     uint64_t id;  // kid (kLookup), kernel fh (kOpen, kPrime), kernel unique (kCheck)
@@ -154,6 +165,8 @@ class RelayCore {
   void Resolved(uint64_t kid, bool ok);
   void StartReopen(uint64_t kfh);
   void Reopened(uint64_t kfh, int error);
+  void WakeHandle(uint64_t kfh);
+  void KeepOrSync(const Request& r, int error);
   uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
 
   // Replies.
