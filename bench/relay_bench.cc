@@ -94,9 +94,9 @@ class Served {
       before = restarts_.size();
     }
     Spawn();
-    // A request so that there is something to answer.
-    struct stat st;
-    CHECK_EQ(stat((mnt_ + "/probe").c_str(), &st), 0);
+    // A request so that there is something to answer (not from the attribute cache).
+    struct statx stx;
+    CHECK_EQ(statx(AT_FDCWD, (mnt_ + "/probe").c_str(), AT_STATX_FORCE_SYNC, STATX_BASIC_STATS, &stx), 0);
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return restarts_.size() > before; });
     return restarts_.back();
@@ -142,10 +142,10 @@ class Served {
   std::vector<std::chrono::nanoseconds> restarts_;
 };
 
+std::unique_ptr<Served> served[2];
 Served& Get(bool relayed) {
-  static Served* direct = new Served(false);
-  static Served* relay = new Served(true);
-  return relayed ? *relay : *direct;
+  if (!served[relayed]) served[relayed] = std::make_unique<Served>(relayed);
+  return *served[relayed];
 }
 
 void BM_SeqRead(benchmark::State& state) {
@@ -247,5 +247,6 @@ int main(int argc, char** argv) {
   PCHECK(mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
+  for (auto& s : fusekeeper::served) s.reset();  // unmounts, and ends the servers
   return 0;
 }

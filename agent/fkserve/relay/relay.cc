@@ -48,8 +48,15 @@ struct Relay::LoopState final : RelayOutput {
   RelayCallbacks cb;
   size_t max_message = 0;
   std::unique_ptr<RelayCore> core;
-  std::vector<char> kbuf, pbuf;
-  Completion kread;
+  // Several reads of the kernel's connection at once: readahead and a multi-threaded program
+  // have many requests in flight, and one read at a time would serialise them.
+  static constexpr int kKernelReads = 4;
+  struct KernelRead {
+    Completion c;
+    std::vector<char> buf;
+  };
+  KernelRead kreads[kKernelReads];
+  std::vector<char> pbuf;
   int kernel_errors = 0;
   ProgramConn* conn = nullptr;
   LoopClock::time_point started;
@@ -94,12 +101,12 @@ struct Relay::LoopState final : RelayOutput {
     ArmProgramOut(conn);
   }
 
-  void ArmKernelRead() {
-    kread.callback = [this](int32_t res, bool) { OnKernelRead(res); };
-    loop->Read(&kread, kernel.get(), kbuf.data(), static_cast<unsigned>(kbuf.size()), 0);
+  void ArmKernelRead(KernelRead* k) {
+    k->c.callback = [this, k](int32_t res, bool) { OnKernelRead(k, res); };
+    loop->Read(&k->c, kernel.get(), k->buf.data(), static_cast<unsigned>(k->buf.size()), 0);
   }
 
-  void OnKernelRead(int32_t res) {
+  void OnKernelRead(KernelRead* k, int32_t res) {
     if (res == -ECANCELED || ended) return;
     if (res == -ENODEV) {
       ended = true;
@@ -110,7 +117,7 @@ struct Relay::LoopState final : RelayOutput {
     }
     if (res > 0) {
       kernel_errors = 0;
-      core->FromKernel(kbuf.data(), static_cast<size_t>(res));
+      core->FromKernel(k->buf.data(), static_cast<size_t>(res));
       AfterEvent();
     } else if (res != -EINTR && res != -EAGAIN && res != -ENOENT) {
       Log(absl::StrCat("relay: reading the kernel's connection: ", strerror(-res)));
@@ -120,7 +127,7 @@ struct Relay::LoopState final : RelayOutput {
         return;
       }
     }
-    ArmKernelRead();
+    ArmKernelRead(k);
   }
 
   void ArmProgramPoll(ProgramConn* c) {
@@ -249,9 +256,11 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   st->max_message = r->max_message_;
   st->core = std::make_unique<RelayCore>(st.get(), r->max_message_);
   // The kernel checks that a read can take its largest WRITE: header, fuse_write_in, max_write.
-  st->kbuf.resize(r->max_message_);
   st->pbuf.resize(r->max_message_);
-  st->ArmKernelRead();
+  for (auto& k : st->kreads) {
+    k.buf.resize(r->max_message_);
+    st->ArmKernelRead(&k);
+  }
   r->state_ = std::move(st);
   r->thread_ = std::thread([raw = r->state_.get()] {
     // Stop signals are the launcher's (its main thread forwards them to the program).
