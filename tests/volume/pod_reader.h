@@ -116,6 +116,25 @@ class Reader {
     send(out, msg, static_cast<size_t>(len), MSG_NOSIGNAL);
     _exit(1);
   }
+  // Forks a process that reports on a socket (SOCK_SEQPACKET, one message per report) and dies
+  // with the test: `child` runs in it with its end and never returns. Returns the child's pid;
+  // *parent_fd gets the test's end.
+  template <typename F>
+  static pid_t ForkReporting(int* parent_fd, F child) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) abort();
+    const pid_t pid = fork();
+    if (pid < 0) abort();
+    if (pid == 0) {
+      close(sv[0]);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      child(sv[1]);
+      _exit(0);
+    }
+    close(sv[1]);
+    *parent_fd = sv[0];
+    return pid;
+  }
   // The last thing read ("" after an error).
   std::string last() const {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -127,18 +146,12 @@ class Reader {
   Reader(std::string path, std::string target, std::string view_dir, int pace_ms = 0)
       : state_(std::make_shared<State>()) {
     state_->path = std::move(path);
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) abort();
-    pid_ = fork();
-    if (pid_ < 0) abort();
-    if (pid_ == 0) {
-      close(sv[0]);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (!view_dir.empty()) EnterPodView(target.c_str(), view_dir.c_str(), sv[1]);
-      ReadForever(state_->path.c_str(), sv[1], pace_ms);
-    }
-    close(sv[1]);
-    thread_ = std::thread([s = state_, fd = sv[0]] { Collect(*s, fd); });
+    int fd = -1;
+    pid_ = ForkReporting(&fd, [&](int out) {
+      if (!view_dir.empty()) EnterPodView(target.c_str(), view_dir.c_str(), out);
+      ReadForever(state_->path.c_str(), out, pace_ms);
+    });
+    thread_ = std::thread([s = state_, fd] { Collect(*s, fd); });
   }
 
   struct State {

@@ -53,19 +53,11 @@ class PodWorkload {
   // `uid`: who the app runs as once its view is made (an unprivileged program cannot give files
   // to root).
   PodWorkload(const std::string& target, const std::string& view_dir, bool writable, uid_t uid) {
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) abort();
-    pid_ = fork();
-    if (pid_ < 0) abort();
-    if (pid_ == 0) {
-      close(sv[0]);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      Reader::EnterPodView(target.c_str(), view_dir.c_str(), sv[1]);
-      if (setresgid(uid, uid, uid) != 0 || setresuid(uid, uid, uid) != 0) Report(sv[1], Err("setresuid")), _exit(1);
-      Run(view_dir, writable, sv[1]);
-    }
-    close(sv[1]);
-    fd_ = sv[0];
+    pid_ = Reader::ForkReporting(&fd_, [&](int out) {
+      Reader::EnterPodView(target.c_str(), view_dir.c_str(), out);
+      if (setresgid(uid, uid, uid) != 0 || setresuid(uid, uid, uid) != 0) Report(out, Err("setresuid")), _exit(1);
+      Run(view_dir, writable, out);
+    });
     thread_ = std::thread([this] { Collect(); });
   }
   ~PodWorkload() {

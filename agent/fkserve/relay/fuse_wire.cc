@@ -98,6 +98,14 @@ bool NameAt(const char* msg, size_t len, size_t off, absl::string_view* name) {
   return true;
 }
 
+void MaskInitRequest(char* body, size_t body_len) {
+  // fuse_init_in: major 0, minor 4, max_readahead 8, flags 12, flags2 16.
+  if (body_len >= 16) Store<uint32_t>(body + 12, Load<uint32_t>(body + 12) & ~static_cast<uint32_t>(kUnrelayableInitFlags));
+  if (body_len >= 20) {
+    Store<uint32_t>(body + 16, Load<uint32_t>(body + 16) & ~static_cast<uint32_t>(kUnrelayableInitFlags >> 32));
+  }
+}
+
 std::string ErrorReply(uint64_t unique, int error) {
   fuse_out_header h{};
   h.len = sizeof(h);

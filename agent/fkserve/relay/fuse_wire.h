@@ -72,6 +72,10 @@ std::string OpName(uint32_t opcode);
 // The NUL-terminated name at `off` of a request; false if there is none within len.
 bool NameAt(const char* msg, size_t len, size_t off, absl::string_view* name);
 
+// Clears kUnrelayableInitFlags in a fuse_init_in (the body of an INIT request), as far as the
+// body holds its flags (flags2 only if present).
+void MaskInitRequest(char* body, size_t body_len);
+
 // A reply carrying only an error (-errno), for the kernel.
 std::string ErrorReply(uint64_t unique, int error);
 

@@ -254,13 +254,7 @@ void RelayCore::Send(Request& r, uint64_t unique) {
     Store<uint64_t>(prefix + off, handles_.at(Load<uint64_t>(r.msg.data() + off)).pfh);
   }
   if (r.opcode == FUSE_INIT) {
-    // What the relay cannot pass on is not offered.
-    const uint32_t flags = Load<uint32_t>(prefix + kInHeader + 12);
-    Store<uint32_t>(prefix + kInHeader + 12, flags & ~static_cast<uint32_t>(kUnrelayableInitFlags));
-    if (r.msg.size() >= kInHeader + 20) {
-      const uint32_t flags2 = Load<uint32_t>(prefix + kInHeader + 16);
-      Store<uint32_t>(prefix + kInHeader + 16, flags2 & ~static_cast<uint32_t>(kUnrelayableInitFlags >> 32));
-    }
+    MaskInitRequest(prefix + kInHeader, n - kInHeader);  // what the relay cannot pass on is not offered
   }
   if (r.instance != 0 && r.instance != instance_) ++stats_.resent;
   r.state = State::kSent;
@@ -643,12 +637,7 @@ void RelayCore::ProgramStarted() {
     // The kernel sends INIT once per connection: replay its INIT; hold everything until answered.
     ready_ = false;
     std::string body = init_request_.substr(kInHeader);
-    const uint32_t flags = Load<uint32_t>(body.data() + 12);
-    Store<uint32_t>(body.data() + 12, flags & ~static_cast<uint32_t>(kUnrelayableInitFlags));
-    if (body.size() >= 20) {
-      const uint32_t flags2 = Load<uint32_t>(body.data() + 16);
-      Store<uint32_t>(body.data() + 16, flags2 & ~static_cast<uint32_t>(kUnrelayableInitFlags >> 32));
-    }
+    MaskInitRequest(body.data(), body.size());
     SendOwn(OwnKind::kInit, 0, FUSE_INIT, 0, body);
     return;
   }
