@@ -124,6 +124,9 @@ void DefineMetrics(fusekeeper::Metrics& m) {
   m.Define("fusekeeper_rpc_duration_seconds", T::kHistogram, "CSI RPC latency by method and result code",
            fusekeeper::Metrics::LatencyBuckets());
   m.Define("fusekeeper_volumes", T::kGauge, "volumes by kind and state");
+  m.Define("fusekeeper_volumes_relayed", T::kGauge,
+           "serving FUSE volumes whose server relays the connection and restarts its program without errors "
+           "(fkserve launch)");
   m.Define("fusekeeper_handoffs_waiting", T::kGauge, "FUSE volumes whose server has not connected yet");
   m.Define("fusekeeper_pods_unreachable_by_recovery", T::kGauge,
            "pods mounting one of our volumes in a container without mountPropagation HostToContainer");
@@ -274,6 +277,7 @@ int main(int argc, char** argv) {
     }
     m.Set("fusekeeper_handoffs_waiting", "", counts.handoffs_waiting);
     m.Set("fusekeeper_repairs_in_progress", "", counts.repairs_in_progress);
+    m.Set("fusekeeper_volumes_relayed", "", counts.relayed);
   });
   // Events go to the API server when running in a cluster; elsewhere they are only logged.
   std::unique_ptr<fusekeeper::HttpClient> http_client;

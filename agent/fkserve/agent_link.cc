@@ -31,8 +31,9 @@ HandoffReply Named(HandoffReply r) {
 
 std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
 
-void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh, const std::string& init) {
+void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh, const std::string& init, bool relayed) {
   HandoffReply r;
+  r.relayed = relayed;
   r.ok = ok;
   r.error = error;
   r.fresh = fresh;
@@ -72,10 +73,11 @@ void AgentLink::Report(bool ok, const std::string& error) {
   if (!s.ok()) fprintf(stderr, "fkserve: reporting to the agent: %s\n", std::string(s.message()).c_str());
 }
 
-void AgentLink::Notice(const std::string& text) {
+void AgentLink::Notice(const std::string& text, int64_t restart_ms) {
   HandoffReply r;
   r.ok = true;
   r.notice = text;
+  r.restart_ms = restart_ms;
   std::lock_guard<std::mutex> lock(mu_);
   if (!sock_) return;
   auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
@@ -129,6 +131,7 @@ UniqueFd AgentLink::Redeposit() {
       HandoffReply r;
       r.ok = true;
       r.redeposit = true;
+      r.relayed = relayed_;
       r.init = init_;
       auto sent = SendHandoffMessage(s.get(), EncodeHandoffReply(Named(r)), fuse_dup_.get());
       if (sent.ok()) {

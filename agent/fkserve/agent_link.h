@@ -23,7 +23,8 @@ std::string ServerName();
 
 // Answers the agent's handoff on `sock` (blocking); a failure to reply is printed, and changes
 // nothing that follows.
-void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "");
+void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "",
+                  bool relayed = false);
 
 class AgentLink {
  public:
@@ -32,13 +33,16 @@ class AgentLink {
   // `socket_path`/`agent_uid`: where and whom to reconnect to.
   AgentLink(UniqueFd sock, UniqueFd fuse_dup, std::string init, std::string socket_path, uid_t agent_uid);
   ~AgentLink();
+  // The server relays the connection (HandoffReply::relayed): said again when re-depositing.
+  // Before Start().
+  void set_relayed(bool relayed) { relayed_ = relayed; }
   // Starts watching (a thread).
   void Start();
   // Sends the final HandoffReply on the current connection and stops watching. Any thread.
   void Report(bool ok, const std::string& error);
   // Tells the agent something without stopping (HandoffReply::notice): it becomes an Event on the
   // volume. Any thread; dropped if there is no connection to the agent right now.
-  void Notice(const std::string& text);
+  void Notice(const std::string& text, int64_t restart_ms = -1);
 
  private:
   void Run();
@@ -47,6 +51,7 @@ class AgentLink {
 
   const std::string init_, socket_path_;
   const uid_t agent_uid_;
+  bool relayed_ = false;
   UniqueFd fuse_dup_;
   std::mutex mu_;
   UniqueFd sock_;  // guarded by mu_

@@ -387,7 +387,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
           " node(s) looked up again, ", st.reopened, " handle(s) reopened, ", st.restore_failures,
           " request(s) that could not be restored so far");
       fprintf(stderr, "fkserve: %s\n", text.c_str());
-      if (link_for_callbacks != nullptr) link_for_callbacks->Notice(text);
+      if (link_for_callbacks != nullptr) {
+        link_for_callbacks->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+      }
     };
     auto r = relay::Relay::Start(fuse_fd.get(), std::move(cb));
     if (!r.ok()) return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message()));
@@ -407,7 +409,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     if (conn < 0) return fail(5, "the relay could not make a socket for the program");
     if (!Spawn(o, dir, conn, &inst, &error)) return fail(absl::StartsWith(error, "could not start") ? 127 : 5, error);
   }
-  ReplyToAgent(sock, true, "");
+  ReplyToAgent(sock, true, "", false, "", /*relayed=*/relay != nullptr);
   if (o.mark_ready) o.mark_ready(true);
   // The connection stays open while the program serves (and is re-deposited with a restarted
   // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
@@ -415,6 +417,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
   if (!relay) fuse_fd.Reset();
   AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
+  link.set_relayed(relay != nullptr);
   link.Start();
   {
     std::lock_guard<std::mutex> lock(link_mu);

@@ -451,7 +451,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
         // Not the end: pass it on and keep watching.
         if (c == serving_connection_) {
           LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE server reports: " << reply->notice;
-          if (events_.on_server_notice) events_.on_server_notice(reply->notice);
+          if (events_.on_server_notice) events_.on_server_notice(*reply);
         }
         ArmServerReceive(c);  // (the callback stays: it is the one running)
         return;

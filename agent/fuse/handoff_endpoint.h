@@ -60,7 +60,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     // its words) or its connection closed (it exited or was killed). Loop thread.
     absl::AnyInvocable<void(const absl::Status& why)> on_server_gone;
     // The serving server reports something without stopping (HandoffReply::notice). Loop thread.
-    absl::AnyInvocable<void(const std::string& notice)> on_server_notice;
+    absl::AnyInvocable<void(const HandoffReply& notice)> on_server_notice;
     // A server cannot adopt the live connection and waits for a fresh one. Loop thread.
     absl::AnyInvocable<void()> on_fresh_requested;
     // The kept connection was aborted (fusectl abort, or the kernel gave up on it). Loop thread.

@@ -208,6 +208,8 @@ std::string EncodeHandoffReply(const HandoffReply& r) {
   if (r.fresh) out += ",\"fresh\":true";
   if (r.redeposit) out += ",\"redeposit\":true";
   if (!r.notice.empty()) absl::StrAppend(&out, ",\"notice\":", JsonQuote(r.notice));
+  if (r.relayed) out += ",\"relayed\":true";
+  if (r.restart_ms >= 0) absl::StrAppend(&out, ",\"restart_ms\":", r.restart_ms);
   if (!r.init.empty()) absl::StrAppend(&out, ",\"init\":\"", EncodeHex(r.init), "\"");
   out += "}";
   return out;
@@ -229,6 +231,12 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   }
   if (!(*doc)["redeposit"].get(e)) {
     if (e.get_bool().get(r.redeposit)) return Bad("\"redeposit\" is not a boolean");
+  }
+  if (!(*doc)["relayed"].get(e)) {
+    if (e.get_bool().get(r.relayed)) return Bad("\"relayed\" is not a boolean");
+  }
+  if (!(*doc)["restart_ms"].get(e)) {
+    if (e.get_int64().get(r.restart_ms) || r.restart_ms < 0) return Bad("\"restart_ms\" is not a duration in ms");
   }
   if (!(*doc)["init"].get_string().get(v)) {
     auto raw = DecodeHex(absl::string_view(v.data(), v.size()));

@@ -9,6 +9,7 @@
 //                    "mount_group":1000,"mount_options":["..."],"volume_context":{"k":"v"},
 //                    "secrets":{}}                                  + SCM_RIGHTS [fuse fd]
 //   server → agent  {"version":1,"ok":true,"server":"fkserve 0.1.0","init":"<hex>"}
+//                or {"version":1,"ok":true,"server":"fkserve 0.1.0","relayed":true}   (fkserve launch)
 //                or {"version":1,"ok":false,"error":"what went wrong"}
 //                or {"version":1,"ok":false,"fresh":true,"error":"cannot adopt a live connection"}
 //
@@ -97,6 +98,12 @@ struct HandoffReply {
   // A serving server's report that does not end serving (e.g. mount options a launched program
   // asked for that were not applied): the agent posts it as an Event and keeps watching.
   std::string notice;
+  // ok (and redeposit): the server relays the connection for a program it restarts when it dies
+  // (fkserve launch): pods see slower answers across such restarts, not errors.
+  bool relayed = false;
+  // notice: a relayed program was restarted and answered again this long after its start
+  // (-1: the notice is not about a restart).
+  int64_t restart_ms = -1;
 };
 
 // Hex codec for the "init" fields; DecodeHex fails on odd length or non-hex characters.

@@ -330,9 +330,10 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   StopEndpoint(v.volume_id(), path);
   HandoffEndpoint::Events events;
   const std::string vid = v.volume_id();
-  events.on_served = [this, key, vid, path](const HandoffReply&, pid_t) {
+  events.on_served = [this, key, vid, path](const HandoffReply& reply, pid_t) {
     auto it = endpoints_.find(key);
     if (it == endpoints_.end()) return;
+    it->second.relayed = reply.relayed;
     host_.loop().CancelTimer(it->second.timeout);
     const bool adopted = it->second.endpoint->adoptions() > it->second.adoptions_seen;
     it->second.adoptions_seen = it->second.endpoint->adoptions();
@@ -342,9 +343,15 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   events.on_fresh_requested = [this, vid] {
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
-  events.on_server_notice = [this, vid](const std::string& notice) {
+  events.on_server_notice = [this, vid](const HandoffReply& notice) {
     if (const state::Volume* v = host_.Find(vid); v != nullptr) {
-      host_.Event(*v, "Warning", "FuseServerNotice", absl::StrCat("volume ", vid, ": its FUSE server reports: ", notice));
+      host_.Event(*v, "Warning", "FuseServerNotice",
+                  absl::StrCat("volume ", vid, ": its FUSE server reports: ", notice.notice));
+    }
+    // A relayed program that died and was started again, the connection kept: a recovery the
+    // server made by itself.
+    if (notice.restart_ms >= 0) {
+      host_.RecoveryFinished("program restart (relayed)", "recovered", absl::Milliseconds(notice.restart_ms));
     }
   };
   events.on_connection_aborted = [this, vid, key] {

@@ -86,6 +86,7 @@ class FuseKind final : public VolumeKind {
     int gone_pending = 0;     // server-gone Warnings waiting out server_gone_grace
     std::string gone_reason;  // why its server stopped serving, once it has
     int adoptions_seen = 0;
+    bool relayed = false;  // its server said it relays (HandoffReply::relayed)
     absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
     std::string recovering_how;
   };

@@ -377,6 +377,7 @@ void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
     state = "unwatched";
   } else if (ep->second.endpoint->serving()) {
     state = "serving";
+    if (ep->second.relayed) ++c->relayed;
   } else if (ep->second.endpoint->awaiting_redeposit()) {
     state = "awaiting_redeposit";  // mounted before an agent restart; its server has not re-deposited
   } else if (ep->second.endpoint->served()) {

@@ -106,6 +106,7 @@ struct VolumeCounts {
   std::map<std::string, int> volumes_by_kind_state;  // "fuse/serving", "hostPath/mounted", ...
   int handoffs_waiting = 0;
   int repairs_in_progress = 0;
+  int relayed = 0;  // served through a relay that restarts its program (fkserve launch)
 };
 
 class VolumeKind {

@@ -66,7 +66,8 @@ class FkserveTest : public ::testing::Test {
       events.on_served = [this](const HandoffReply&, pid_t) { served_.set_value(); };
       events.on_connection_error = [this](const absl::Status& s) { last_error_ = s; };
       events.on_server_gone = [this](const absl::Status& s) { gone_.set_value(s); };
-      events.on_server_notice = [this](const std::string& n) {
+      events.on_server_notice = [this](const HandoffReply& reply) {
+        const std::string& n = reply.notice;
         if (!noticed_) notice_.set_value(n);
         noticed_ = true;
       };

@@ -105,6 +105,22 @@ TEST(HandoffProtocolTest, ReplyRoundTrip) {
   EXPECT_FALSE(DecodeHandoffReply(R"({"version":1})").ok());
 }
 
+TEST(HandoffProtocolTest, RelayedServersAndTheirRestartsRoundTrip) {
+  HandoffReply r{.ok = true, .notice = "restarted"};
+  r.relayed = true;
+  r.restart_ms = 42;
+  auto back = DecodeHandoffReply(EncodeHandoffReply(r));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->relayed);
+  EXPECT_EQ(back->restart_ms, 42);
+  auto plain = DecodeHandoffReply(EncodeHandoffReply({.ok = true}));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->relayed);
+  EXPECT_EQ(plain->restart_ms, -1) << "a notice that is not a restart";
+  EXPECT_FALSE(DecodeHandoffReply(R"({"version":1,"ok":true,"restart_ms":-5})").ok());
+  EXPECT_FALSE(DecodeHandoffReply(R"({"version":1,"ok":true,"relayed":"yes"})").ok());
+}
+
 class SocketPairTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -2,7 +2,9 @@
 // unprivileged as uid 65534) in the test's private mount namespace, with a real /dev/fuse.
 #pragma once
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
@@ -32,6 +34,23 @@ namespace fusekeeper {
 using namespace csi::v1;
 namespace fs = std::filesystem;
 constexpr uid_t kServerUid = 65534;
+
+// GET http://127.0.0.1:<port><path> with a plain socket; the whole response.
+inline std::string HttpGet(int port, const std::string& path) {
+  UniqueFd s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return "connect failed";
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  if (write(s.get(), req.data(), req.size()) < 0) return "write failed";
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(s.get(), buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
 
 inline std::string ReadFile(const std::string& path) {
   std::ifstream in(path);

@@ -325,6 +325,72 @@ TEST_P(RelayWorkloadTest, OpenFilesSurviveRepeatedKills) {
   ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << launcher->Stderr();
 }
 
+// The agent killed (its connection to the launcher gone, as in a DaemonSet rollout) while the
+// program is killed and restarted, then started again: the relay needs nothing from the agent to
+// restart the program, re-deposits the connection with the new agent, and the app holding files
+// open sees no error throughout; unpublish through the new agent still ends everything.
+TEST_F(RelayWorkloadTest, TheAgentKilledWhileTheProgramRestartsCostsNoError) {
+  const Program* bindfs = nullptr;
+  for (const Program& p : kPrograms) {
+    if (std::string(p.name) == "bindfs-foreground") bindfs = &p;
+  }
+  ASSERT_NE(bindfs, nullptr);
+  std::vector<std::string> launch = {"--restart_window_ms=0"};
+  const std::string skip = Prepare(*bindfs, &launch, [](const std::string& src) { PodWorkload::CreateFiles(src); });
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  const std::vector<std::string> metrics_flags = {"--metrics_address=127.0.0.1:0"};
+  StartAgent(metrics_flags);
+  const std::string target = Pod("pod-a", "prog");
+  ASSERT_RPC_OK(PublishInline("prog", "pod-a", target));
+  Subprocess* launcher = StartServer(PodSocket("pod-a"), launch);
+  const std::string view_dir = root_.path() + "/views/agent-kill";
+  fs::create_directories(view_dir);
+  PodWorkload app(target, view_dir, /*writable=*/true, kServerUid);
+  ASSERT_TRUE(app.WaitForSteps(3)) << absl::StrJoin(app.errors(), "; ") << launcher->Stderr();
+  auto kill_program = [&](int nth) {
+    std::set<pid_t> procs;
+    ASSERT_TRUE(WithDeadline([&] {
+                  procs = ProgramProcesses(launcher->pid());
+                  return !procs.empty();
+                }).value_or(false));
+    for (pid_t p : procs) kill(p, SIGKILL);
+    ASSERT_TRUE(launcher->WaitForStderr(absl::StrCat("(", nth, " restart(s) so far)"), 1,
+                                        std::chrono::milliseconds(20000)))
+        << launcher->Stderr();
+  };
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  kill_program(1);
+  ASSERT_TRUE(app.WaitForSteps(3)) << "with no agent at all: " << absl::StrJoin(app.errors(), "; ");
+  StartAgent(metrics_flags);
+  ASSERT_TRUE(agent_->WaitForStderr("re-deposited its live FUSE connection", 1, std::chrono::milliseconds(20000))) << agent_->Stderr();
+  kill_program(2);
+  ASSERT_TRUE(app.WaitForSteps(3)) << absl::StrJoin(app.errors(), "; ");
+  // The new agent knows the volume is relayed (the re-deposit says so) and counts the restart
+  // its server reported to it.
+  {
+    const std::string log = agent_->Stderr();
+    const size_t at = log.find("(port ");
+    ASSERT_NE(at, std::string::npos) << log;
+    const int port = std::stoi(log.substr(at + 6));
+    ASSERT_TRUE(WithDeadline([&] {
+                  return absl::StrContains(HttpGet(port, "/metrics"),
+                                           "fusekeeper_recoveries_total{how=\"program restart (relayed)\","
+                                           "outcome=\"recovered\"} 1");
+                }).value_or(false))
+        << HttpGet(port, "/metrics");
+    EXPECT_TRUE(absl::StrContains(HttpGet(port, "/metrics"), "fusekeeper_volumes_relayed 1"));
+  }
+  EXPECT_TRUE(app.Finish()) << absl::StrJoin(app.errors(), "; ");
+  EXPECT_EQ(app.errors().size(), 0u) << absl::StrJoin(app.errors(), "; ");
+  {
+    grpc::Status s = Unpublish("prog", target);
+    ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
+  }
+  EXPECT_EQ(MountCountAt(target), 0);
+  ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << launcher->Stderr();
+}
+
 std::vector<Program> WorkloadPrograms() {
   std::vector<Program> out;
   for (const Program& p : kPrograms) {

@@ -22,22 +22,6 @@
 namespace fusekeeper {
 namespace {
 
-// GET http://127.0.0.1:<port><path> with a plain socket; the whole response.
-std::string HttpGet(int port, const std::string& path) {
-  UniqueFd s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return "connect failed";
-  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
-  if (write(s.get(), req.data(), req.size()) < 0) return "write failed";
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(s.get(), buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
-  return out;
-}
 
 class RecoveryE2ETest : public FuseE2ETest {
  protected:
