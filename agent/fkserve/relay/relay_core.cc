@@ -21,6 +21,8 @@ constexpr size_t kPatchPrefix = 128;
 constexpr int kMaxDeathsPerRequest = 3;
 // Per handle: what a program may hold unsynced that the relay can give to its successor.
 constexpr size_t kMaxUnsyncedBytes = 32 << 20;
+// And in all: the launcher's memory stays bounded however many files are written at once.
+constexpr size_t kMaxUnsyncedTotalBytes = 128 << 20;
 
 bool IsDot(absl::string_view name) { return name == "." || name == ".."; }
 
@@ -281,6 +283,7 @@ void RelayCore::EraseHandle(uint64_t kfh) {
   auto h = handles_.find(kfh);
   if (h == handles_.end()) return;
   nodes_.DropHandle(h->second.kid);
+  DropUnsynced(h->second);
   std::vector<uint64_t> waiters = std::move(h->second.waiters);
   handles_.erase(h);
   // The kernel releases a handle only when nothing uses it; if something did, it fails (EBADF).
@@ -726,23 +729,30 @@ void RelayCore::KeepOrSync(const Request& r, int error) {
   if (it == handles_.end()) return;
   Handle& h = it->second;
   if (r.opcode != FUSE_WRITE) {  // synced: nothing the program holds is at risk any more
-    h.unsynced.clear();
+    DropUnsynced(h);
     h.unsynced_bytes = 0;
     h.maybe_lost = false;
     return;
   }
-  if (h.unsynced_bytes + r.msg.size() > kMaxUnsyncedBytes) {
+  if (h.unsynced_bytes + r.msg.size() > kMaxUnsyncedBytes ||
+      unsynced_total_ + r.msg.size() > kMaxUnsyncedTotalBytes) {
     if (!h.unsynced.empty()) {
       out_->Log(absl::StrCat("relay: file handle ", it->first, " has over ", kMaxUnsyncedBytes >> 20,
                              " MiB written since its last fsync: if the program dies before the next one, that "
                              "fsync or close reports EIO"));
     }
-    h.unsynced.clear();
+    DropUnsynced(h);
     h.unsynced_bytes = kMaxUnsyncedBytes;  // stays over the bound until a sync
     return;
   }
   h.unsynced.push_back(r.msg);
   h.unsynced_bytes += r.msg.size();
+  unsynced_total_ += r.msg.size();
+}
+
+void RelayCore::DropUnsynced(Handle& h) {
+  for (const std::string& w : h.unsynced) unsynced_total_ -= w.size();
+  h.unsynced.clear();
 }
 
 bool RelayCore::TranslateReply(Request& r, char* msg, size_t len, std::string* why) {

@@ -167,6 +167,7 @@ class RelayCore {
   void Reopened(uint64_t kfh, int error);
   void WakeHandle(uint64_t kfh);
   void KeepOrSync(const Request& r, int error);
+  void DropUnsynced(Handle& h);
   uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
 
   // Replies.
@@ -185,7 +186,8 @@ class RelayCore {
   uint64_t next_fh_ = 1;
   std::unordered_map<uint64_t, Own> own_;           // by own unique
   uint64_t next_own_ = 0;
-  bool own_prime_plus_ = false;  // the priming listing in flight is a READDIRPLUS
+  bool own_prime_plus_ = false;
+  size_t unsynced_total_ = 0;  // bytes kept in all handles' unsynced  // the priming listing in flight is a READDIRPLUS
   std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
   uint64_t instance_ = 0;  // current instance number (1 = first)
   bool attached_ = false;
