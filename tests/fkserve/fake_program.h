@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,31 @@ class FakeInstance {
       case FUSE_OPEN:
       case FUSE_OPENDIR:
         return Reply(h.unique, 0, Bytes(Open(ino)));
+      case FUSE_READDIR: {
+        // Like libfuse's high-level API: a handle lists its directory once, from offset 0; a
+        // fresh handle asked for another offset is a violation (sshfs asserts there).
+        const auto in = relay::Load<fuse_read_in>(body);
+        if (!CheckFh(in.fh, ino, "READDIR")) return Reply(h.unique, -EBADF, "");
+        if (in.offset != 0 && listed_.count(in.fh) == 0) {
+          Violation(absl::StrCat("READDIR at offset ", in.offset, " on a handle never read from 0"));
+          return Reply(h.unique, -EIO, "");
+        }
+        listed_.insert(in.fh);
+        std::string out;
+        uint64_t index = 0;
+        for (const auto& [name, child] : node->children) {
+          if (++index <= in.offset) continue;
+          fuse_dirent d{};
+          d.ino = child;
+          d.off = index;
+          d.namelen = static_cast<uint32_t>(name.size());
+          std::string rec = Bytes(d).substr(0, FUSE_NAME_OFFSET) + name;
+          rec.resize(FUSE_DIRENT_ALIGN(rec.size()), '\0');
+          if (out.size() + rec.size() > in.size) break;
+          out += rec;
+        }
+        return Reply(h.unique, 0, out);
+      }
       case FUSE_READ: {
         const auto in = relay::Load<fuse_read_in>(body);
         if (!CheckFh(in.fh, ino, "READ")) return Reply(h.unique, -EBADF, "");
@@ -259,6 +285,7 @@ class FakeInstance {
   std::map<uint64_t, uint64_t> counts_;  // pid → lookups
   std::map<uint64_t, uint64_t> open_;    // fh → ino
   std::map<uint64_t, std::string> cache_;  // ino → data not synced yet
+  std::set<uint64_t> listed_;              // directory handles read from offset 0
   uint64_t next_fh_ = 1;
 };
 

@@ -307,6 +307,60 @@ TEST_F(RelayCoreTest, WritesTheDeadProgramHadNotSyncedAreWrittenAgain) {
   EXPECT_EQ(core_.stats().writes_replayed, 1u) << "only what was not synced";
 }
 
+// A listing in progress across a restart: the reopened directory handle is read once from
+// offset 0 before the kernel's READDIR at its offset is sent (libfuse's high-level API lists a
+// directory once per handle; sshfs asserted on a fresh handle asked for another offset).
+TEST_F(RelayCoreTest, AListingInProgressResumesOnTheReopenedHandle) {
+  for (int i = 0; i < 5; ++i) disk_.Make(1, absl::StrCat("e", i), false);
+  Start();
+  Init();
+  const std::string opened = Call(FUSE_OPENDIR, FUSE_ROOT_ID, Bytes(fuse_open_in{}));
+  const uint64_t dh = Load<fuse_open_out>(opened.data() + sizeof(fuse_out_header)).fh;
+  fuse_read_in in{};
+  in.fh = dh;
+  in.size = 4096;
+  ASSERT_EQ(ErrorOf(Call(FUSE_READDIR, FUSE_ROOT_ID, Bytes(in))), 0);
+  Kill();
+  Start();
+  Pump();
+  in.offset = 2;  // where the app's listing had got to
+  const std::string rest = Call(FUSE_READDIR, FUSE_ROOT_ID, Bytes(in));
+  ASSERT_EQ(ErrorOf(rest), 0);
+  const auto first = Load<fuse_dirent>(rest.data() + sizeof(fuse_out_header));
+  EXPECT_EQ(first.off, 3u) << "the listing goes on after the second entry";
+}
+
+// A request that kills every instance it reaches is sent to at most 3, then answered EIO: a
+// poison request cannot keep the volume down.
+TEST_F(RelayCoreTest, ARequestThatKillsEveryInstanceFailsAfterThree) {
+  disk_.Make(1, "f", false, "x");
+  Start();
+  Init();
+  const uint64_t kf = Lookup(FUSE_ROOT_ID, "f");
+  const uint64_t poison = Send(FUSE_GETATTR, kf, Bytes(fuse_getattr_in{}));
+  // Each instance answers everything until it reads the poison, and dies there.
+  auto serve_until_poison = [&] {
+    while (!wires_.to_program.empty()) {
+      std::string m = wires_.to_program.front();
+      wires_.to_program.erase(wires_.to_program.begin());
+      if (InHeader(m.data()).unique == poison) return true;
+      std::string r = prog_->Handle(m);
+      if (!r.empty()) core_.FromProgram(r.data(), r.size());
+    }
+    return false;
+  };
+  int seen = 0;
+  while (serve_until_poison() && seen < 5) {
+    ++seen;
+    Kill();
+    Start();
+  }
+  ASSERT_FALSE(ReplyTo(poison).empty());
+  EXPECT_EQ(ErrorOf(ReplyTo(poison)), -EIO);
+  EXPECT_EQ(seen, 3) << "sent to three instances, not a fourth";
+  EXPECT_EQ(ErrorOf(Call(FUSE_GETATTR, kf, Bytes(fuse_getattr_in{}))), 0) << "the volume goes on";
+}
+
 TEST_F(RelayCoreTest, BadRepliesFailOnlyTheirRequestAndNeverTheConnection) {
   disk_.Make(1, "f", false, "data");
   Start();
