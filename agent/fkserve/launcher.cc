@@ -428,7 +428,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     service->OnProblem([&link, name](const std::string& p) { link.Notice(absl::StrCat(name, ": fusermount ", p)); });
   };
   watch_problems(inst.service.get());
-  int young_deaths = 0;
+  int young_deaths = 0, silent_deaths = 0;
   Ending end;
   while (true) {
     end = WaitForInstance(name, inst.child);
@@ -436,12 +436,18 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     if (!relay || stop_requested || connection_ended || pending_stop_signal != 0) break;
     // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
     // its end is reported at once, as for a direct one.
-    if (!relay->Snapshot().served) break;
-    // Relayed: the kernel's connection is kept, requests wait, and the program starts again.
+    const relay::RelayStats st = relay->Snapshot();
+    if (!st.served) break;
+    // Relayed: the kernel's connection is kept, requests wait, and the program starts again. One
+    // that keeps dying young is restarted after a growing delay; one that keeps dying before it
+    // answers anything is given up on (a request that kills every instance it reaches is the
+    // relay's to refuse, after three).
     if (std::chrono::steady_clock::now() - inst.started >= o.stable_after) young_deaths = 0;
-    if (++young_deaths > o.max_restarts) {
-      end.why = absl::StrCat(end.why, "; gave up after ", o.max_restarts, " restarts in a row that each died within ",
-                             std::chrono::duration_cast<std::chrono::seconds>(o.stable_after).count(), " s");
+    ++young_deaths;
+    silent_deaths = st.program_answers_since_start > 0 ? 0 : silent_deaths + 1;
+    if (silent_deaths > o.max_restarts) {
+      end.why = absl::StrCat(end.why, "; gave up after ", o.max_restarts,
+                             " restarts in a row that each died before answering a request");
       break;
     }
     const auto delay = RestartDelay(young_deaths);

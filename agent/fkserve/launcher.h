@@ -49,9 +49,11 @@ struct LaunchOptions {
   // (relay/relay_core.h), and a program that dies is started again with the connection kept:
   // pods see slower answers, not errors. Direct: the program gets the connection itself.
   bool relay = true;
-  // Restarts in a row of instances that each died within stable_after, before giving up (the
-  // end is reported to the agent as for a direct program).
+  // Restarts in a row of instances that each died before answering a request, before giving up
+  // (the end is reported to the agent as for a direct program).
   int max_restarts = 8;
+  // An instance that dies sooner than this after its start is restarted after a growing delay
+  // (100 ms doubling to 5 s); one that lived longer, at once.
   std::chrono::milliseconds stable_after{10000};
 };
 

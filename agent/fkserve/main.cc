@@ -55,11 +55,11 @@ DEFINE_bool(direct, false,
             "but a program that dies ends the launcher, and its successor gets a fresh connection: pods see "
             "errors and lose their open files)");
 DEFINE_int32(max_restarts, 8,
-             "launch (relayed): restarts in a row of a program that keeps dying within 10 s before the "
-             "launcher gives up and reports it");
+             "launch (relayed): restarts in a row of a program that keeps dying before it answers a request "
+             "before the launcher gives up and reports it");
 DEFINE_int32(restart_window_ms, 10000,
-             "launch (relayed): a program that dies within this long of its start counts towards "
-             "--max_restarts and is restarted after a growing delay");
+             "launch (relayed): a program that dies within this long of its start is restarted after a "
+             "growing delay (100 ms doubling to 5 s) instead of at once");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "

@@ -636,6 +636,7 @@ void RelayCore::ProgramStarted() {
   ++instance_;
   ++stats_.instances;
   stats_.answers_since_start = 0;
+  stats_.program_answers_since_start = 0;
   if (init_done_) {
     // The kernel sends INIT once per connection: replay its INIT; hold everything until answered.
     ready_ = false;
@@ -717,6 +718,7 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
     }
   }
   KeepOrSync(r, h.error);
+  ++stats_.program_answers_since_start;
   Reply(msg, len);
   Complete(h.unique);
 }

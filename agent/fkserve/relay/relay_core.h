@@ -66,6 +66,7 @@ struct RelayStats {
   uint64_t done_by_dead = 0;       // non-idempotent requests found done by the dead instance
   uint64_t writes_replayed = 0;    // unsynced WRITEs written again into a reopened handle
   uint64_t answers_since_start = 0;  // replies to the kernel since the last ProgramStarted
+  uint64_t program_answers_since_start = 0;  // of those, the program's own (not the relay's)
 };
 
 class RelayCore {
