@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -191,6 +192,38 @@ TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
   ASSERT_EQ(umount2(mnt_.c_str(), 0), 0);
   lt_.RunOnLoop([&] { endpoint_->Stop(); });
   EXPECT_EQ(ServerExit(), 0) << "the program's exit status is fkserve's: " << server_->Stderr();
+}
+
+// Relayed (the default), the program's connection is a socket the launcher relays; with
+// --direct, the agent's /dev/fuse connection itself.
+TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
+  for (const bool direct : {false, true}) {
+    SCOPED_TRACE(direct ? "--direct" : "relayed");
+    served_ = std::promise<void>();
+    gone_ = std::promise<absl::Status>();
+    MountAndOffer({.volume_id = direct ? "v-direct" : "v-relayed"});
+    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "x\n"};
+    if (direct) args.insert(args.begin(), "--direct");
+    StartServer(args);
+    ASSERT_TRUE(WaitServed()) << server_->Stderr();
+    EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
+    std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                           "/children");
+    pid_t program = 0;
+    ASSERT_TRUE(children >> program);
+    std::vector<std::string> fds;
+    for (const auto& e : fs::directory_iterator("/proc/" + std::to_string(program) + "/fd")) {
+      fds.push_back(fs::read_symlink(e.path()).string());
+    }
+    const bool has_device = std::count(fds.begin(), fds.end(), "/dev/fuse") > 0;
+    const bool has_socket = std::any_of(fds.begin(), fds.end(), [](const std::string& f) { return f.rfind("socket:", 0) == 0; });
+    EXPECT_EQ(has_device, direct) << "the program holds the device only with --direct";
+    EXPECT_EQ(has_socket, !direct) << "relayed, it holds the relay's socket";
+    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
+    endpoint_.reset();
+  }
 }
 
 // In its container fkserve is PID 1, which ignores any signal it has no handler for: without
