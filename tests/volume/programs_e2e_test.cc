@@ -313,10 +313,18 @@ TEST_P(RelayWorkloadTest, OpenFilesSurviveRepeatedKills) {
   EXPECT_TRUE(app.Finish()) << prog.name << ": " << absl::StrJoin(app.errors(), "; ");
   EXPECT_EQ(app.errors().size(), 0u) << prog.name << ": " << absl::StrJoin(app.errors(), "; ");
   EXPECT_EQ(launcher->CountInStderr(") failed with "), 0) << launcher->Stderr();
+  // The launcher's resident memory (the relay with its tables and buffers), for the README.
+  std::string rss = "?";
+  {
+    std::ifstream status("/proc/" + std::to_string(launcher->pid()) + "/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("VmRSS:", 0) == 0) rss = line.substr(6);
+    }
+  }
   std::cout << "RESULT workload " << prog.name << ": " << kills << " kill -9, " << app.steps() << " steps, "
             << app.errors().size() << " errors, "
             << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() / std::max(kills, 1)
-            << " ms per kill cycle\n";
+            << " ms per kill cycle, launcher RSS" << rss << "\n";
   {
     grpc::Status s = Unpublish("prog", target);
     ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
