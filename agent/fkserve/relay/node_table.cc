@@ -45,10 +45,10 @@ uint64_t NodeTable::NewKid(uint64_t pid) {
 
 void NodeTable::ClearName(Node& n) {
   if (n.parent == 0) return;
-  by_name_.erase(NameKey(n.parent, n.name));
+  if (n.key != nullptr) by_name_.erase(by_name_.find(*n.key));
   const uint64_t parent = n.parent;
   n.parent = 0;
-  n.name.clear();
+  n.key = nullptr;
   if (Node* p = Find(parent)) {
     --p->children;
     MaybeErase(parent);
@@ -57,7 +57,7 @@ void NodeTable::ClearName(Node& n) {
 
 void NodeTable::SetName(Node& n, uint64_t parent, absl::string_view name) {
   if (n.kid == kRootId || parent == 0) return;  // the root has no name; parent 0: no path
-  if (n.parent == parent && n.name == name) return;
+  if (n.parent == parent && n.name() == name) return;
   Node* p = Find(parent);
   if (p == nullptr) return;  // a parent the kernel never got from us: no path
   // A program that names a directory inside itself (a bug, or a directory hard link) gets no
@@ -76,8 +76,7 @@ void NodeTable::SetName(Node& n, uint64_t parent, absl::string_view name) {
   }
   ClearName(n);
   n.parent = parent;
-  n.name = std::string(name);
-  by_name_[NameKey(parent, name)] = n.kid;
+  n.key = &by_name_.insert_or_assign(NameKey(parent, name), n.kid).first->first;
 }
 
 void NodeTable::Unbind(Node& n) {
@@ -237,8 +236,10 @@ std::string NodeTable::CheckInvariantsForTest() const {
     if (n.parent != 0) {
       if (nodes_.find(n.parent) == nodes_.end()) return absl::StrCat("node ", kid, " names a missing parent ", n.parent);
       ++children[n.parent];
-      auto it = by_name_.find(NameKey(n.parent, n.name));
-      if (it == by_name_.end() || it->second != kid) return absl::StrCat("node ", kid, " '", n.name, "' is not indexed");
+      auto it = by_name_.find(NameKey(n.parent, n.name()));
+      if (it == by_name_.end() || it->second != kid || &it->first != n.key) {
+        return absl::StrCat("node ", kid, " '", n.name(), "' is not indexed");
+      }
     }
     if (kid != kRootId && n.kernel_lookups == 0 && n.children == 0 && n.handles == 0) {
       return absl::StrCat("node ", kid, " is kept with nothing needing it");

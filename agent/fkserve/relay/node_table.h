@@ -40,7 +40,10 @@ struct Node {
   uint64_t kid = 0;
   uint64_t pid = 0;        // in the current instance; 0 = not resolved there
   uint64_t parent = 0;     // kid; 0 = no path (unlinked, replaced, or never named)
-  std::string name;
+  // The name is kept once, in the table's index: this points at its key (parent + name), which
+  // stays put while the entry exists (node-based map).
+  const std::string* key = nullptr;
+  absl::string_view name() const { return key == nullptr ? absl::string_view() : absl::string_view(*key).substr(8); }
   uint64_t kernel_lookups = 0;
   uint64_t program_lookups = 0;  // the current instance's count
   uint32_t children = 0;

@@ -168,7 +168,7 @@ void RelayCore::Dispatch(uint64_t unique) {
     if (n->pid != 0) continue;
     if (n->unresolvable || (n->parent == 0 && kid != kRootId)) {
       Fail(unique, ESTALE,
-           absl::StrCat("node ", kid, n->name.empty() ? " has no path (unlinked or replaced)" : " no longer resolves",
+           absl::StrCat("node ", kid, n->name().empty() ? " has no path (unlinked or replaced)" : " no longer resolves",
                         " in the restarted program"));
       return;
     }
@@ -400,7 +400,7 @@ void RelayCore::StartResolve(uint64_t kid) {
     WaitNode(n->parent, {Waiter::kNode, kid});
     return;
   }
-  SendOwn(OwnKind::kLookup, kid, FUSE_LOOKUP, parent->pid, n->name + std::string(1, '\0'));
+  SendOwn(OwnKind::kLookup, kid, FUSE_LOOKUP, parent->pid, absl::StrCat(n->name(), std::string(1, '\0')));
 }
 
 void RelayCore::Resolved(uint64_t kid, bool ok) {
@@ -911,7 +911,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
         ++stats_.resolved;
         nodes_.BindResolved(own.id, Load<fuse_entry_out>(msg + kOutHeader).nodeid);
       } else if (Node* n = nodes_.Find(own.id)) {
-        out_->Log(absl::StrCat("relay: '", n->name, "' (node ", own.id, ") no longer resolves in the restarted program: ",
+        out_->Log(absl::StrCat("relay: '", n->name(), "' (node ", own.id, ") no longer resolves in the restarted program: ",
                                h.error != 0 ? strerror(-h.error) : "no entry"));
       }
       Resolved(own.id, ok);
