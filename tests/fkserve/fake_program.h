@@ -154,7 +154,8 @@ class FakeInstance {
       case FUSE_OPEN:
       case FUSE_OPENDIR:
         return Reply(h.unique, 0, Bytes(Open(ino)));
-      case FUSE_READDIR: {
+      case FUSE_READDIR:
+      case FUSE_READDIRPLUS: {
         // Like libfuse's high-level API: a handle lists its directory once, from offset 0; a
         // fresh handle asked for another offset is a violation (sshfs asserts there).
         const auto in = relay::Load<fuse_read_in>(body);
@@ -174,7 +175,9 @@ class FakeInstance {
           d.namelen = static_cast<uint32_t>(name.size());
           std::string rec = Bytes(d).substr(0, FUSE_NAME_OFFSET) + name;
           rec.resize(FUSE_DIRENT_ALIGN(rec.size()), '\0');
-          if (out.size() + rec.size() > in.size) break;
+          const size_t plus = h.opcode == FUSE_READDIRPLUS ? sizeof(fuse_entry_out) : 0;
+          if (out.size() + plus + rec.size() > in.size) break;
+          if (plus) out += Entry(child);  // a lookup reference, as a READDIRPLUS entry is
           out += rec;
         }
         return Reply(h.unique, 0, out);

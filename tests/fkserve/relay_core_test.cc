@@ -330,6 +330,39 @@ TEST_F(RelayCoreTest, AListingInProgressResumesOnTheReopenedHandle) {
   EXPECT_EQ(first.off, 3u) << "the listing goes on after the second entry";
 }
 
+// Two listings resumed at once, one READDIRPLUS and one READDIR: each primer's reply is read as
+// what it is, and the lookups the READDIRPLUS primer took (entries the kernel never sees) are
+// given back to the program.
+TEST_F(RelayCoreTest, PrimersOfBothKindsAtOnceGiveBackExactlyTheirLookups) {
+  const uint64_t a = disk_.Make(1, "a", true), b = disk_.Make(1, "b", true);
+  const uint64_t a0 = disk_.Make(a, "a0", false);
+  disk_.Make(a, "a1", false);
+  disk_.Make(a, "a2", false);
+  for (int i = 0; i < 3; ++i) disk_.Make(b, absl::StrCat("b", i), false);
+  Start();
+  Init();
+  const uint64_t ka = Lookup(FUSE_ROOT_ID, "a"), kb = Lookup(FUSE_ROOT_ID, "b");
+  auto opendir = [&](uint64_t k) {
+    return Load<fuse_open_out>(Call(FUSE_OPENDIR, k, Bytes(fuse_open_in{})).data() + sizeof(fuse_out_header)).fh;
+  };
+  const uint64_t ha = opendir(ka), hb = opendir(kb);
+  Kill();
+  Start();
+  Pump();
+  fuse_read_in in{};
+  in.size = 4096;
+  in.offset = 2;
+  in.fh = ha;
+  const uint64_t plus = Send(FUSE_READDIRPLUS, ka, Bytes(in));
+  in.fh = hb;
+  const uint64_t plain = Send(FUSE_READDIR, kb, Bytes(in));
+  Pump();
+  ASSERT_EQ(ErrorOf(ReplyTo(plus)), 0);
+  ASSERT_EQ(ErrorOf(ReplyTo(plain)), 0);
+  EXPECT_EQ(prog_->lookups(a0), 0u) << "a0 was listed only by the primer: its lookup is given back";
+  EXPECT_EQ(core_.nodes().CheckInvariantsForTest(), "");
+}
+
 // A request that kills every instance it reaches is sent to at most 3, then answered EIO: a
 // poison request cannot keep the volume down.
 TEST_F(RelayCoreTest, ARequestThatKillsEveryInstanceFailsAfterThree) {

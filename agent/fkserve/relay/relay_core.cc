@@ -4,6 +4,8 @@
 #include <linux/fs.h>
 
 #include <algorithm>
+#include <array>
+#include <array>
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +27,13 @@ constexpr size_t kMaxUnsyncedBytes = 32 << 20;
 constexpr size_t kMaxUnsyncedTotalBytes = 128 << 20;
 
 bool IsDot(absl::string_view name) { return name == "." || name == ".."; }
+
+// Where a request holds file handles: FhOffset's, and COPY_FILE_RANGE's fh_out (-1: none).
+std::array<long, 2> HandleOffsets(uint32_t opcode, const std::string& msg) {
+  return {FhOffset(opcode, msg.data(), msg.size()),
+          opcode == FUSE_COPY_FILE_RANGE ? static_cast<long>(kInHeader + offsetof(fuse_copy_file_range_in, fh_out))
+                                         : -1};
+}
 
 bool UsesHeaderNode(uint32_t opcode) {
   return opcode != FUSE_INIT && opcode != FUSE_INTERRUPT && opcode != FUSE_BATCH_FORGET && opcode != FUSE_DESTROY;
@@ -176,11 +185,7 @@ void RelayCore::Dispatch(uint64_t unique) {
     return;
   }
   // And every handle.
-  std::vector<long> fh_offsets = {FhOffset(r.opcode, r.msg.data(), r.msg.size())};
-  if (r.opcode == FUSE_COPY_FILE_RANGE) {
-    fh_offsets.push_back(static_cast<long>(kInHeader + offsetof(fuse_copy_file_range_in, fh_out)));
-  }
-  for (long off : fh_offsets) {
+  for (long off : HandleOffsets(r.opcode, r.msg)) {
     if (off < 0) continue;
     const uint64_t kfh = Load<uint64_t>(r.msg.data() + off);
     auto h = handles_.find(kfh);
@@ -207,7 +212,6 @@ void RelayCore::Dispatch(uint64_t unique) {
             fuse_read_in in = Load<fuse_read_in>(r.msg.data() + kInHeader);
             in.fh = hd.pfh;
             in.offset = 0;
-            own_prime_plus_ = r.opcode == FUSE_READDIRPLUS;
             SendOwn(OwnKind::kPrime, kfh, r.opcode, nodes_.Find(hd.kid)->pid,
                     std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
           }
@@ -247,11 +251,7 @@ void RelayCore::Send(Request& r, uint64_t unique) {
                                                         : kInHeader;  // LINK oldnodeid, RENAME(2) newdir
     Store<uint64_t>(prefix + off, nodes_.Find(r.node2)->pid);
   }
-  std::vector<long> fh_offsets = {FhOffset(r.opcode, r.msg.data(), r.msg.size())};
-  if (r.opcode == FUSE_COPY_FILE_RANGE) {
-    fh_offsets.push_back(static_cast<long>(kInHeader + offsetof(fuse_copy_file_range_in, fh_out)));
-  }
-  for (long off : fh_offsets) {
+  for (long off : HandleOffsets(r.opcode, r.msg)) {
     if (off < 0) continue;
     Store<uint64_t>(prefix + off, handles_.at(Load<uint64_t>(r.msg.data() + off)).pfh);
   }
@@ -331,33 +331,16 @@ void RelayCore::Forgets() {
     fuse_forget_one one{f.pid, f.count};
     body.append(reinterpret_cast<const char*>(&one), sizeof(one));
   }
-  fuse_in_header h{};
-  h.len = static_cast<uint32_t>(kInHeader + body.size());
-  h.opcode = FUSE_BATCH_FORGET;
-  h.unique = kOwnUniqueBit | (next_own_++ << 1);
-  std::string m(reinterpret_cast<const char*>(&h), sizeof(h));
-  m += body;
-  iovec iov{m.data(), m.size()};
-  out_->ToProgram(&iov, 1);
+  SendToProgram(FUSE_BATCH_FORGET, 0, body);
 }
 
 void RelayCore::ForgetInProgram(uint64_t pid, uint64_t count) {
-  fuse_forget_in f{count};
-  fuse_in_header h{};
-  h.len = sizeof(h) + sizeof(f);
-  h.opcode = FUSE_FORGET;
-  h.nodeid = pid;
-  h.unique = kOwnUniqueBit | (next_own_++ << 1);
-  char m[sizeof(h) + sizeof(f)];
-  memcpy(m, &h, sizeof(h));
-  memcpy(m + sizeof(h), &f, sizeof(f));
-  iovec iov{m, sizeof(m)};
-  out_->ToProgram(&iov, 1);
+  const fuse_forget_in f{count};
+  SendToProgram(FUSE_FORGET, pid, absl::string_view(reinterpret_cast<const char*>(&f), sizeof(f)));
 }
 
-// ---- Restoring nodes and handles in a new instance ----
-
-uint64_t RelayCore::SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body) {
+uint64_t RelayCore::SendToProgram(uint32_t opcode, uint64_t nodeid, absl::string_view body,
+                                  std::optional<OwnKind> reply, uint64_t id) {
   fuse_in_header h{};
   h.len = static_cast<uint32_t>(kInHeader + body.size());
   h.opcode = opcode;
@@ -365,12 +348,16 @@ uint64_t RelayCore::SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t
   h.nodeid = nodeid;
   // uid/gid/pid 0: the relay's own requests are not any process's; default_permissions checks
   // were made by the kernel when the node was first reached.
-  own_[h.unique] = {kind, id};
-  std::string m(reinterpret_cast<const char*>(&h), sizeof(h));
-  m += body;
-  iovec iov{m.data(), m.size()};
-  out_->ToProgram(&iov, 1);
+  if (reply) own_[h.unique] = {*reply, id, opcode};  // before sending: the reply may come at once
+  iovec iov[2] = {{&h, sizeof(h)}, {const_cast<char*>(body.data()), body.size()}};
+  out_->ToProgram(iov, body.empty() ? 1 : 2);
   return h.unique;
+}
+
+// ---- Restoring nodes and handles in a new instance ----
+
+uint64_t RelayCore::SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body) {
+  return SendToProgram(opcode, nodeid, body, kind, id);
 }
 
 void RelayCore::WaitNode(uint64_t kid, Waiter w) {
@@ -955,7 +942,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
         if (d.namelen > 1024 || pos + FUSE_NAME_OFFSET_DIRENTPLUS + d.namelen > len) break;
         const absl::string_view name(msg + pos + FUSE_NAME_OFFSET_DIRENTPLUS, d.namelen);
         const uint64_t pid = Load<uint64_t>(msg + pos);
-        if (own_prime_plus_ && pid != 0 && !IsDot(name)) ForgetInProgram(pid, 1);
+        if (own.opcode == FUSE_READDIRPLUS && pid != 0 && !IsDot(name)) ForgetInProgram(pid, 1);
         pos += rec;
       }
       auto hit = handles_.find(own.id);

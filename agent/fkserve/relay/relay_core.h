@@ -35,6 +35,7 @@
 #include <sys/uio.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -139,7 +140,8 @@ class RelayCore {
   enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime, kReplay };
   struct Own {
     OwnKind kind;
-    uint64_t id;  // kid (kLookup), kernel fh (kOpen, kPrime), kernel unique (kCheck)
+    uint64_t id;      // kid (kLookup), kernel fh (kOpen, kPrime), kernel unique (kCheck)
+    uint32_t opcode;  // what was sent (a primer's READDIR or READDIRPLUS)
   };
   struct Waiter {
     enum Kind { kRequest, kNode, kHandle } kind;
@@ -170,6 +172,10 @@ class RelayCore {
   void KeepOrSync(const Request& r, int error);
   void DropUnsynced(Handle& h);
   uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
+  // A request of the relay's own (a unique the kernel never uses) to the program; `reply`: what
+  // its reply is for (none for FORGET and BATCH_FORGET). Returns the unique.
+  uint64_t SendToProgram(uint32_t opcode, uint64_t nodeid, absl::string_view body,
+                         std::optional<OwnKind> reply = std::nullopt, uint64_t id = 0);
 
   // Replies.
   bool TranslateReply(Request& r, char* msg, size_t len, std::string* why);
@@ -187,8 +193,7 @@ class RelayCore {
   uint64_t next_fh_ = 1;
   std::unordered_map<uint64_t, Own> own_;           // by own unique
   uint64_t next_own_ = 0;
-  bool own_prime_plus_ = false;
-  size_t unsynced_total_ = 0;  // bytes kept in all handles' unsynced  // the priming listing in flight is a READDIRPLUS
+  size_t unsynced_total_ = 0;  // bytes kept in all handles' unsynced
   std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
   uint64_t instance_ = 0;  // current instance number (1 = first)
   bool attached_ = false;
