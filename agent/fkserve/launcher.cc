@@ -430,9 +430,12 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   watch_problems(inst.service.get());
   int young_deaths = 0, silent_deaths = 0;
   Ending end;
+  bool running = true;  // an instance runs (a restart that could not start the program leaves none)
   while (true) {
-    end = WaitForInstance(name, inst.child);
-    inst.service->OnProblem(nullptr);
+    if (running) {
+      end = WaitForInstance(name, inst.child);
+      inst.service->OnProblem(nullptr);
+    }
     if (!relay || stop_requested || connection_ended || pending_stop_signal != 0) break;
     // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
     // its end is reported at once, as for a direct one.
@@ -451,7 +454,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
       break;
     }
     const auto delay = RestartDelay(young_deaths);
-    const std::string last = inst.tail->Last();
+    const std::string last = running ? inst.tail->Last() : "";
     {
       std::lock_guard<std::mutex> lock(link_mu);
       last_death = last.empty() ? Describe(end.status) : absl::StrCat(Describe(end.status), " (its last words: ", last, ")");
@@ -463,11 +466,15 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     UniqueFd theirs;
     const int conn = connection_for_instance(&theirs);
     if (conn < 0 || !Spawn(o, dir, conn, &next, &error)) {
-      fprintf(stderr, "fkserve: restarting %s: %s\n", name.c_str(), error.c_str());
-      if (next.tail) next.tail->Last();
-      inst.started = std::chrono::steady_clock::now();  // counts as another young death
+      // No instance to wait for: this attempt is the next death (young, and silent).
+      end.why = absl::StrCat("restarting ", name, ": ", conn < 0 ? "the relay could not make a socket" : error);
+      end.status = 127 << 8;  // as a wait status: exited 127, could not be started
+      fprintf(stderr, "fkserve: %s\n", end.why.c_str());
+      inst.started = std::chrono::steady_clock::now();
+      running = false;
       continue;
     }
+    running = true;
     inst = std::move(next);
     watch_problems(inst.service.get());
   }
@@ -475,7 +482,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   std::string why = end.why;
   const std::vector<std::string> problems = inst.service->problems();
   if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
-  if (const std::string last = inst.tail->Last(); !last.empty()) absl::StrAppend(&why, "; its last words: ", last);
+  if (const std::string last = running ? inst.tail->Last() : ""; !last.empty()) {
+    absl::StrAppend(&why, "; its last words: ", last);
+  }
   {
     std::lock_guard<std::mutex> lock(link_mu);
     link_for_callbacks = nullptr;

@@ -321,6 +321,30 @@ TEST_F(FkserveTest, ARelayedProgramThatKeepsDyingIsGivenUpOnAndReported) {
   EXPECT_NE(server_->Stderr().find("restarting it in 200 ms"), std::string::npos) << "a growing delay";
 }
 
+// A restart that cannot start the program (its binary is gone) is a death like any other: it is
+// retried with the others, and the report says why, not a status of an instance that never ran.
+TEST_F(FkserveTest, ARestartThatCannotStartTheProgramIsReportedAsSuch) {
+  MountAndOffer({.volume_id = "v-gone"});
+  const std::string program = root_.path() + "/hello-copy";
+  fs::copy_file(RunfilePath("tests/testing/hello_fuse"), program);
+  StartServer({"--max_restarts=2", "launch", "--", program, "/dev/fd/{fd}", "x\n"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
+  ASSERT_EQ(unlink(program.c_str()), 0);
+  std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                         "/children");
+  pid_t running = 0;
+  ASSERT_TRUE(children >> running);
+  ASSERT_EQ(kill(running, SIGKILL), 0);
+  EXPECT_EQ(ServerExit(), 127) << server_->Stderr();
+  auto gone = gone_.get_future();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  const absl::Status why = gone.get();
+  EXPECT_NE(why.message().find("restarting " + program + ": could not start " + program), std::string::npos) << why;
+  EXPECT_NE(why.message().find("gave up after 2 restarts"), std::string::npos) << why;
+  EXPECT_EQ(why.message().find("exited with status 0"), std::string::npos) << why;
+}
+
 TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {
   MountAndOffer({.volume_id = "v-missing"});
   StartServer({"launch", "--", "/nonexistent/fuse-program", "/dev/fd/{fd}"});
