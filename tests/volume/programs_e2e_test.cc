@@ -138,46 +138,51 @@ class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface
   // its launch arguments. `extra_setup` runs first with $SRC filled (files the program serves).
   std::string Prepare(const Program& prog, std::vector<std::string>* launch_out,
                       const std::function<void(const std::string& src)>& extra_setup = nullptr) {
-    struct Skip {
-      std::string why;
-      Skip& operator<<(const std::string& s) {
-        why += s;
-        return *this;
-      }
-      operator std::string() const { return why; }
+    if (prog.cannot[0] != '\0') return absl::StrCat(prog.name, " cannot be served unprivileged: ", prog.cannot);
+    if (access(prog.binary, X_OK) != 0) return absl::StrCat(prog.binary, " is not installed (scripts/setup.sh installs it)");
+    const std::string w = root_.path() + "/work";
+    const std::string port = std::to_string(20000 + getpid() % 20000);
+    auto expand = [&](const std::string& text) {
+      return absl::StrReplaceAll(text, {{"$W", w}, {"$PORT", port}, {"$S3RVER", kS3rver}});
     };
-  if (prog.cannot[0] != '\0') return Skip() << prog.name << " cannot be served unprivileged: " << prog.cannot;
-  if (access(prog.binary, X_OK) != 0) return Skip() << prog.binary << " is not installed (scripts/setup.sh installs it)";
-  const std::string w = root_.path() + "/work";
-  const std::string port = std::to_string(20000 + getpid() % 20000);
-  auto expand = [&](const std::string& text) {
-    return absl::StrReplaceAll(text, {{"$W", w}, {"$PORT", port}, {"$S3RVER", kS3rver}});
-  };
-  if (absl::StrContains(prog.server, "$S3RVER") && access(kS3rver, X_OK) != 0) {
-    return Skip() << kS3rver << " is not installed (scripts/setup.sh installs s3rver from npm)";
+    if (absl::StrContains(prog.server, "$S3RVER") && access(kS3rver, X_OK) != 0) {
+      return absl::StrCat(kS3rver, " is not installed (scripts/setup.sh installs s3rver from npm)");
+    }
+    fs::create_directories(w + "/src");
+    const std::string want = std::string("hello from ") + prog.name + "\n";
+    { std::ofstream(w + "/src/hello.txt") << want; }
+    if (extra_setup) extra_setup(w + "/src");
+    if (prog.setup[0] != '\0') {
+      const std::string cmd = expand(std::string("set -e; ") + prog.setup);
+      EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    }
+    EXPECT_EQ(std::system(("chown -R " + std::to_string(kServerUid) + ":" + std::to_string(kServerUid) + " " + w).c_str()),
+              0);
+    std::vector<std::string>& launch = *launch_out;
+    launch.insert(launch.end(), {"launch", "--"});
+    for (const auto& a : prog.args) launch.push_back(expand(a));
+    if (prog.server[0] != '\0') {
+      server_ = std::make_unique<Subprocess>(std::vector<std::string>{"/bin/sh", "-c", expand(prog.server)});
+      EXPECT_TRUE(server_->WaitForStderr(prog.server_ready, 1, std::chrono::milliseconds(20000))) << server_->Stderr();
+    }
+    return "";
   }
-  fs::create_directories(w + "/src");
-  const std::string want = std::string("hello from ") + prog.name + "\n";
-  { std::ofstream(w + "/src/hello.txt") << want; }
-  if (extra_setup) extra_setup(w + "/src");
-  if (prog.setup[0] != '\0') {
-    const std::string cmd = expand(std::string("set -e; ") + prog.setup);
-    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  }
-  EXPECT_EQ(std::system(("chown -R " + std::to_string(kServerUid) + ":" + std::to_string(kServerUid) + " " + w).c_str()),
-            0);
-  std::vector<std::string>& launch = *launch_out;
-  launch.insert(launch.end(), {"launch", "--"});
-  for (const auto& a : prog.args) launch.push_back(expand(a));
-  if (prog.server[0] != '\0') {
-    server_ = std::make_unique<Subprocess>(std::vector<std::string>{"/bin/sh", "-c", expand(prog.server)});
-    EXPECT_TRUE(server_->WaitForStderr(prog.server_ready, 1, std::chrono::milliseconds(20000))) << server_->Stderr();
-  }
-  return "";
-  }
-
 
   std::unique_ptr<Subprocess> server_;  // the program's own server; stopped when the test ends
+
+  // kill -9 of every process of the program `launcher` runs (a daemonized one runs on without its
+  // parent); returns once the launcher has restarted it for the `nth` time (false: not in 20 s).
+  bool KillProgramAndWaitForRestart(Subprocess* launcher, int nth) {
+    std::set<pid_t> procs;
+    if (!WithDeadline([&] {
+           procs = ProgramProcesses(launcher->pid());
+           return !procs.empty();
+         }).value_or(false)) {
+      return false;
+    }
+    for (pid_t p : procs) kill(p, SIGKILL);
+    return launcher->WaitForStderr(absl::StrCat("(", nth, " restart(s) so far)"), 1, std::chrono::milliseconds(20000));
+  }
 
   // The program's processes: the launcher's children (the program, or what it daemonized into).
   std::set<pid_t> ProgramProcesses(pid_t launcher) {
@@ -224,15 +229,8 @@ TEST_P(ProgramsE2ETest, ServesAPodViewIsRecoveredAfterKillAndLeavesNothing) {
   // kill -9 of every process of the program (a daemonized one runs on without its parent): the
   // launcher keeps the kernel's connection (relayed, its default) and starts the program again;
   // the app in the pod sees slower reads, never a failed one.
-  std::set<pid_t> procs;
-  ASSERT_TRUE(WithDeadline([&] {
-                procs = ProgramProcesses(launcher->pid());
-                return !procs.empty();
-              }).value_or(false));
   view->Mark(want);
-  for (pid_t p : procs) kill(p, SIGKILL);
-  ASSERT_TRUE(launcher->WaitForStderr("restart(s) so far)", 1, std::chrono::milliseconds(20000)))
-      << prog.name << ": " << launcher->Stderr();
+  ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, 1)) << prog.name << ": " << launcher->Stderr();
   ASSERT_TRUE(view->WaitForReadsOf(want)) << prog.name << " after kill -9: last '" << view->last() << "' errors "
                                           << view->errors() << "\n" << launcher->Stderr() << agent_->Stderr();
   EXPECT_EQ(view->errors_after_mark(), 0) << prog.name << ": the pod saw errors across the restart\n"
@@ -297,14 +295,7 @@ TEST_P(RelayWorkloadTest, OpenFilesSurviveRepeatedKills) {
                                    << launcher->Stderr();
   const auto start = std::chrono::steady_clock::now();
   for (int i = 1; i <= kills; ++i) {
-    std::set<pid_t> procs;
-    ASSERT_TRUE(WithDeadline([&] {
-                  procs = ProgramProcesses(launcher->pid());
-                  return !procs.empty();
-                }).value_or(false));
-    for (pid_t p : procs) kill(p, SIGKILL);
-    ASSERT_TRUE(launcher->WaitForStderr(absl::StrCat("(", i, " restart(s) so far)"), 1, std::chrono::milliseconds(20000)))
-        << prog.name << " kill " << i << ": " << launcher->Stderr();
+    ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, i)) << prog.name << " kill " << i << ": " << launcher->Stderr();
     // The app gets on with its work before the next kill (so no request is in flight at two).
     ASSERT_TRUE(app.WaitForSteps(2)) << prog.name << " kill " << i << ": " << absl::StrJoin(app.errors(), "; ")
                                      << "\n" << launcher->Stderr();
@@ -355,24 +346,13 @@ TEST_F(RelayWorkloadTest, TheAgentKilledWhileTheProgramRestartsCostsNoError) {
   fs::create_directories(view_dir);
   PodWorkload app(target, view_dir, /*writable=*/true, kServerUid);
   ASSERT_TRUE(app.WaitForSteps(3)) << absl::StrJoin(app.errors(), "; ") << launcher->Stderr();
-  auto kill_program = [&](int nth) {
-    std::set<pid_t> procs;
-    ASSERT_TRUE(WithDeadline([&] {
-                  procs = ProgramProcesses(launcher->pid());
-                  return !procs.empty();
-                }).value_or(false));
-    for (pid_t p : procs) kill(p, SIGKILL);
-    ASSERT_TRUE(launcher->WaitForStderr(absl::StrCat("(", nth, " restart(s) so far)"), 1,
-                                        std::chrono::milliseconds(20000)))
-        << launcher->Stderr();
-  };
   agent_->Signal(SIGKILL);
   ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
-  kill_program(1);
+  ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, 1)) << launcher->Stderr();
   ASSERT_TRUE(app.WaitForSteps(3)) << "with no agent at all: " << absl::StrJoin(app.errors(), "; ");
   StartAgent(metrics_flags);
   ASSERT_TRUE(agent_->WaitForStderr("re-deposited its live FUSE connection", 1, std::chrono::milliseconds(20000))) << agent_->Stderr();
-  kill_program(2);
+  ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, 2)) << launcher->Stderr();
   ASSERT_TRUE(app.WaitForSteps(3)) << absl::StrJoin(app.errors(), "; ");
   // The new agent knows the volume is relayed (the re-deposit says so) and counts the restart
   // its server reported to it.
