@@ -710,7 +710,7 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
   Complete(h.unique);
 }
 
-void RelayCore::KeepOrSync(const Request& r, int error) {
+void RelayCore::KeepOrSync(Request& r, int error) {
   if (error != 0 || (r.opcode != FUSE_WRITE && r.opcode != FUSE_FSYNC && r.opcode != FUSE_FLUSH)) return;
   const long off = FhOffset(r.opcode, r.msg.data(), r.msg.size());
   if (off < 0) return;
@@ -734,9 +734,9 @@ void RelayCore::KeepOrSync(const Request& r, int error) {
     h.unsynced_bytes = kMaxUnsyncedBytes;  // stays over the bound until a sync
     return;
   }
-  h.unsynced.push_back(r.msg);
   h.unsynced_bytes += r.msg.size();
   unsynced_total_ += r.msg.size();
+  h.unsynced.push_back(std::move(r.msg));
 }
 
 void RelayCore::DropUnsynced(Handle& h) {

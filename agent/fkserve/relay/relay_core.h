@@ -169,7 +169,8 @@ class RelayCore {
   void StartReopen(uint64_t kfh);
   void Reopened(uint64_t kfh, int error);
   void WakeHandle(uint64_t kfh);
-  void KeepOrSync(const Request& r, int error);
+  // Takes a WRITE's message (the request is about to complete).
+  void KeepOrSync(Request& r, int error);
   void DropUnsynced(Handle& h);
   uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
   // A request of the relay's own (a unique the kernel never uses) to the program; `reply`: what
