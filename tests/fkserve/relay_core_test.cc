@@ -6,10 +6,12 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <unistd.h>
 
 #include <memory>
 #include <random>
 
+#include "agent/base/unique_fd.h"
 #include "gtest/gtest.h"
 #include "tests/fkserve/fake_program.h"
 
@@ -26,6 +28,37 @@ constexpr size_t kMaxMessage = (1 << 20) + 4096;
 
 class RelayCoreTest : public ::testing::Test {
  protected:
+  RelayCoreTest() { NewCore(); }
+  // A fresh relay (a new launcher on a new connection) writing a fresh journal.
+  void NewCore() {
+    core_.~RelayCore();
+    new (&core_) RelayCore(&wires_, kMaxMessage);
+    auto j = StateJournal::Create();
+    EXPECT_TRUE(j.ok()) << j.status();
+    journal_ = std::move(*j);
+    core_.SetJournal(journal_.get());
+  }
+  // kill -9 of the launcher (and so of its program): a new launcher restores the relay from the
+  // journal the agent kept, and the kernel sends again, with the resend bit, every request the
+  // dead one had read and not answered (FUSE_NOTIFY_RESEND).
+  void KillLauncher() {
+    Kill();
+    SavedState state;
+    auto j = StateJournal::Open(UniqueFd(dup(journal_->fd())), &state);
+    ASSERT_TRUE(j.ok()) << j.status();
+    journal_ = std::move(*j);
+    core_.~RelayCore();
+    new (&core_) RelayCore(&wires_, kMaxMessage);
+    core_.SetJournal(journal_.get());
+    core_.Restore(state);
+    ++launcher_deaths_;
+    for (const auto& [u, m] : sent_) {
+      if (!ReplyTo(u).empty()) continue;
+      std::string again = m;
+      Store<uint64_t>(again.data() + offsetof(fuse_in_header, unique), u | kResendUniqueBit);
+      core_.FromKernel(again.data(), again.size());
+    }
+  }
   void Start() {
     prog_ = std::make_unique<FakeInstance>(&disk_, ++instances_ * 1000000);
     core_.ProgramStarted();
@@ -58,12 +91,17 @@ class RelayCoreTest : public ::testing::Test {
     const uint64_t u = next_unique_;
     next_unique_ += 2;
     std::string m = testing::Request(op, u, nodeid, body);
+    sent_[u] = m;
     core_.FromKernel(m.data(), m.size());
     return u;
   }
+  // The reply to a request, whether or not it was sent again after a launcher died.
   std::string ReplyTo(uint64_t unique) {
-    auto it = wires_.replies.find(unique);
-    return it == wires_.replies.end() ? "" : it->second;
+    for (uint64_t u : {unique, unique | kResendUniqueBit}) {
+      auto it = wires_.replies.find(u);
+      if (it != wires_.replies.end()) return it->second;
+    }
+    return "";
   }
   std::string Call(uint32_t op, uint64_t nodeid, const std::string& body) {
     const uint64_t u = Send(op, nodeid, body);
@@ -109,14 +147,20 @@ class RelayCoreTest : public ::testing::Test {
       for (const std::string& v : prog_->violations) ADD_FAILURE() << "instance " << instances_ << ": " << v;
     }
     EXPECT_TRUE(wires_.duplicate_replies.empty()) << "a request was answered twice";
+    for (const auto& [u, r] : wires_.replies) {
+      if (u & kResendUniqueBit) EXPECT_EQ(wires_.replies.count(u & ~kResendUniqueBit), 0u) << "answered twice: " << u;
+    }
     EXPECT_EQ(core_.nodes().CheckInvariantsForTest(), "");
   }
 
   Disk disk_;
   Wires wires_;
   RelayCore core_{&wires_, kMaxMessage};
+  std::unique_ptr<StateJournal> journal_;
   std::unique_ptr<FakeInstance> prog_;
+  std::map<uint64_t, std::string> sent_;  // by unique: every request that wants a reply
   int instances_ = 0;
+  int launcher_deaths_ = 0;
   uint64_t next_unique_ = 2;
 };
 
@@ -307,6 +351,91 @@ TEST_F(RelayCoreTest, WritesTheDeadProgramHadNotSyncedAreWrittenAgain) {
   EXPECT_EQ(core_.stats().writes_replayed, 1u) << "only what was not synced";
 }
 
+// The launcher itself killed (its container restarted, its image upgraded) with a file open, a
+// write it accepted but the program had not synced, and a read in flight: the next launcher
+// restores the relay from the journal; the kernel's ids and handles keep working, the read that
+// was in flight is answered once, and the unsynced write reaches the disk at the next fsync.
+TEST_F(RelayCoreTest, ANewLauncherCarriesOnFromTheJournal) {
+  const uint64_t dir = disk_.Make(1, "d", true);
+  const uint64_t ino = disk_.Make(dir, "f", false, "");
+  disk_.Make(dir, "g", false, "read me");
+  Start();
+  prog_->keeps_writes_until_sync = true;
+  Init();
+  const uint64_t kd = Lookup(FUSE_ROOT_ID, "d");
+  const uint64_t kf = Lookup(kd, "f");
+  const uint64_t kg = Lookup(kd, "g");
+  const uint64_t fh = Open(kf, O_WRONLY);
+  const uint64_t gh = Open(kg, O_RDONLY);
+  fuse_write_in in{};
+  in.fh = fh;
+  in.size = 8;
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, kf, Bytes(in) + "accepted")), 0);
+  const uint64_t read = Send(FUSE_READ, kg, ReadBody(kg, gh, 0, 4096));  // read by the launcher, then it dies
+  KillLauncher();
+  EXPECT_TRUE(ReplyTo(read).empty()) << "nothing answers before a program serves";
+  Start();
+  prog_->keeps_writes_until_sync = true;
+  Pump();
+  ASSERT_FALSE(ReplyTo(read).empty()) << "the resent read is answered";
+  EXPECT_EQ(ReplyTo(read).substr(sizeof(fuse_out_header)), "read me");
+  EXPECT_EQ(Lookup(kd, "g"), kg) << "the same file keeps its kernel id";
+  fuse_fsync_in sync{};
+  sync.fh = fh;
+  EXPECT_EQ(ErrorOf(Call(FUSE_FSYNC, kf, Bytes(sync))), 0);
+  EXPECT_EQ(disk_.inodes[ino].data, "accepted") << "the write only the dead launcher's memory held";
+  EXPECT_EQ(Read(kg, gh), "read me");
+  EXPECT_EQ(core_.stats().restore_failures, 0u);
+}
+
+// A MKDIR the dead launcher had passed to a program that did it, but whose answer never reached
+// the kernel: sent again by the kernel, it is looked at first and answered with the directory
+// the dead program made (not EEXIST, which the app would see as an error).
+TEST_F(RelayCoreTest, WorkDoneBeforeTheLauncherDiedIsNotDoneTwice) {
+  Start();
+  Init();
+  fuse_mkdir_in mk{};
+  mk.mode = 0755;
+  const uint64_t u = Send(FUSE_MKDIR, FUSE_ROOT_ID, Bytes(mk) + "new" + std::string(1, '\0'));
+  for (const std::string& m : wires_.to_program) prog_->Handle(m);  // done; the reply is lost
+  wires_.to_program.clear();
+  KillLauncher();
+  Start();
+  Pump();
+  ASSERT_FALSE(ReplyTo(u).empty());
+  EXPECT_EQ(ErrorOf(ReplyTo(u)), 0) << "answered with the entry the dead program made";
+  EXPECT_EQ(core_.stats().done_by_dead, 1u);
+}
+
+// The journal stays bounded: it is compacted as it grows, and what it restores is the state.
+TEST_F(RelayCoreTest, TheJournalIsCompactedAndStillRestoresTheState) {
+  for (int i = 0; i < 200; ++i) disk_.Make(1, absl::StrCat("file-with-a-longish-name-", i), false, "x");
+  Start();
+  Init();
+  uint64_t first = 0;
+  for (int round = 0; round < 200; ++round) {
+    for (int i = 0; i < 200; ++i) {
+      const uint64_t k = Lookup(FUSE_ROOT_ID, absl::StrCat("file-with-a-longish-name-", i));
+      if (round == 0 && i == 0) first = k;
+      if (i > 0) {
+        fuse_forget_in f{1};
+        std::string m = testing::Request(FUSE_FORGET, next_unique_, k, Bytes(f));
+        next_unique_ += 2;
+        core_.FromKernel(m.data(), m.size());
+      }
+    }
+  }
+  EXPECT_LT(journal_->log_bytes(), 4u << 20) << "40000 lookups and forgets, compacted";
+  const SavedState before = core_.SaveForTest();
+  KillLauncher();
+  const SavedState after = core_.SaveForTest();
+  EXPECT_EQ(after.nodes.size(), before.nodes.size());
+  ASSERT_EQ(after.nodes.count(first), 1u);
+  EXPECT_EQ(after.nodes.at(first).kernel_lookups, 200u);
+  Start();
+  EXPECT_EQ(Lookup(FUSE_ROOT_ID, "file-with-a-longish-name-0"), first);
+}
+
 // A listing in progress across a restart: the reopened directory handle is read once from
 // offset 0 before the kernel's READDIR at its offset is sent (libfuse's high-level API lists a
 // directory once per handle; sshfs asserted on a fresh handle asked for another offset).
@@ -458,8 +587,8 @@ TEST_F(RelayCoreTest, PropertyRandomTrafficAndKills) {
       for (int j = 0; j < 4; ++j) disk_.Make(d, absl::StrCat("f", j), false, absl::StrCat("content ", i, j));
     }
     wires_ = Wires();
-    core_.~RelayCore();
-    new (&core_) RelayCore(&wires_, kMaxMessage);
+    sent_.clear();
+    NewCore();
     instances_ = 0;
     Start();
     Init();
@@ -559,10 +688,14 @@ TEST_F(RelayCoreTest, PropertyRandomTrafficAndKills) {
         case 6:
           Pump();
           break;
-        case 7:  // kill, maybe after it did work it could not answer
+        case 7:  // kill, maybe after it did work it could not answer; maybe the launcher too
           if (rng() % 4 != 0) break;
           if (rng() % 2) {
-            DoWorkThenKill();
+            for (const std::string& m : wires_.to_program) prog_->Handle(m);
+            wires_.to_program.clear();
+          }
+          if (rng() % 3 == 0) {
+            KillLauncher();
           } else {
             Kill();
           }
@@ -585,6 +718,7 @@ TEST_F(RelayCoreTest, PropertyRandomTrafficAndKills) {
     // A file is never stale while it was not touched by anything but reads.
     EXPECT_EQ(core_.stats().restore_failures, 0u);
   }
+  EXPECT_GT(launcher_deaths_, 10) << "the launcher died often enough to matter";
 }
 
 }  // namespace

@@ -51,6 +51,10 @@ inline fuse_out_header OutHeader(const char* msg) { return Load<fuse_out_header>
 // The uniques the relay uses for its own requests (LOOKUP and OPEN of a restarted program): the
 // kernel's are small counters (even; +1 for INTERRUPT), so bit 62 never collides.
 inline constexpr uint64_t kOwnUniqueBit = 1ULL << 62;
+// A request the kernel sends again after FUSE_NOTIFY_RESEND (7.40, Linux 6.9) has this bit set in
+// its unique (FUSE_UNIQUE_RESEND); the reply must carry the same unique.
+inline constexpr uint64_t kResendUniqueBit = 1ULL << 63;
+inline constexpr int32_t kFuseNotifyResend = 7;  // FUSE_NOTIFY_RESEND
 
 // Requests the kernel expects no reply to.
 bool IsNoReply(uint32_t opcode);

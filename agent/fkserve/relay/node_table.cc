@@ -45,6 +45,7 @@ uint64_t NodeTable::NewKid(uint64_t pid) {
 
 void NodeTable::ClearName(Node& n) {
   if (n.parent == 0) return;
+  Changed(n.kid);
   if (n.key != nullptr) by_name_.erase(by_name_.find(*n.key));
   const uint64_t parent = n.parent;
   n.parent = 0;
@@ -75,6 +76,7 @@ void NodeTable::SetName(Node& n, uint64_t parent, absl::string_view name) {
     MaybeErase(other);
   }
   ClearName(n);
+  Changed(n.kid);
   n.parent = parent;
   n.key = &by_name_.insert_or_assign(NameKey(parent, name), n.kid).first->first;
 }
@@ -109,6 +111,7 @@ uint64_t NodeTable::AddKernelEntry(uint64_t parent, absl::string_view name, uint
   if (kid != kRootId) {
     if (parent != 0) SetName(n, parent, name);
     ++n.kernel_lookups;
+    Changed(kid);
     ++n.program_lookups;
   }
   return kid;
@@ -133,6 +136,7 @@ void NodeTable::Forget(uint64_t kid, uint64_t count) {
   Node* n = Find(kid);
   if (n == nullptr || kid == kRootId || count == 0) return;
   n->kernel_lookups -= std::min(count, n->kernel_lookups);
+  Changed(kid);
   if (n->kernel_lookups == 0) {
     if (n->pid != 0 && n->program_lookups > 0) forgets_.push_back({n->pid, n->program_lookups});
     n->program_lookups = 0;
@@ -207,6 +211,44 @@ void NodeTable::MaybeErase(uint64_t kid) {
   Unbind(*n);
   ClearName(*n);  // may erase the parent in turn
   nodes_.erase(kid);
+  Changed(kid);
+}
+
+std::vector<uint64_t> NodeTable::TakeChanged() {
+  std::vector<uint64_t> out;
+  out.swap(changed_);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+void NodeTable::Restore(const std::map<uint64_t, SavedNode>& saved, const std::vector<uint64_t>& handles) {
+  const bool tracking = track_changes_;
+  track_changes_ = false;  // what is loaded is in the journal already
+  for (const auto& [kid, s] : saved) {
+    if (kid == kRootId || kid == 0) continue;
+    Node n;
+    n.kid = kid;
+    n.kernel_lookups = s.kernel_lookups;
+    nodes_.emplace(kid, std::move(n));
+  }
+  for (const auto& [kid, s] : saved) {
+    if (s.parent == 0 || kid == kRootId) continue;
+    if (Node* n = Find(kid)) SetName(*n, s.parent, s.name);  // refuses cycles and missing parents
+  }
+  for (uint64_t kid : handles) {
+    if (Find(kid) == nullptr) {  // open, but never named: no path
+      Node n;
+      n.kid = kid;
+      nodes_.emplace(kid, std::move(n));
+    }
+    AddHandle(kid);
+  }
+  track_changes_ = tracking;  // what is dropped now is recorded as gone
+  std::vector<uint64_t> kids;
+  for (const auto& [kid, n] : nodes_) kids.push_back(kid);
+  for (uint64_t kid : kids) MaybeErase(kid);
+  forgets_.clear();  // nothing is bound: nothing is owed to any program
 }
 
 void NodeTable::NewInstance() {

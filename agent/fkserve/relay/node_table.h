@@ -24,12 +24,14 @@
 
 #include <stdint.h>
 
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "agent/fkserve/relay/relay_state.h"
 
 namespace fusekeeper::relay {
 
@@ -65,6 +67,10 @@ class NodeTable {
 
   Node* Find(uint64_t kid);
   size_t size() const { return nodes_.size(); }
+  template <typename F>
+  void ForEach(F f) const {
+    for (const auto& [kid, n] : nodes_) f(n);
+  }
   // kid of the node bound to `pid` in the current instance, 0 if none.
   uint64_t KidOfPid(uint64_t pid) const;
   // kid named `name` in `parent`, 0 if none.
@@ -88,6 +94,16 @@ class NodeTable {
   void NewInstance();
 
   std::vector<ProgramForget> TakeForgets();
+
+  // Change tracking for the relay's state journal (relay_state.h): once on, every node whose
+  // parent, name or kernel lookup count changed, or that was erased, since the last call.
+  void TrackChanges() { track_changes_ = true; }
+  std::vector<uint64_t> TakeChanged();
+  // Loads what a dead launcher's journal says the kernel holds, into a table that holds only the
+  // root: every node unbound (resolved by path on first use), `handles` open handles' nodes
+  // (a node no record names is kept without a path). Nodes nothing needs are dropped.
+  void Restore(const std::map<uint64_t, SavedNode>& nodes, const std::vector<uint64_t>& handles);
+
   // Empty if every invariant holds, else what does not.
   std::string CheckInvariantsForTest() const;
 
@@ -97,12 +113,17 @@ class NodeTable {
   void Unbind(Node& n);
   void MaybeErase(uint64_t kid);
   uint64_t NewKid(uint64_t pid);
+  void Changed(uint64_t kid) {
+    if (track_changes_) changed_.push_back(kid);
+  }
 
   std::unordered_map<uint64_t, Node> nodes_;
   std::unordered_map<uint64_t, uint64_t> by_pid_;
   std::unordered_map<std::string, uint64_t> by_name_;  // NameKey(parent, name)
   uint64_t next_kid_ = kFirstAllocatedKid;
   std::vector<ProgramForget> forgets_;
+  bool track_changes_ = false;
+  std::vector<uint64_t> changed_;  // may repeat a kid
 };
 
 }  // namespace fusekeeper::relay

@@ -141,11 +141,14 @@ void RelayCore::FromKernel(char* msg, size_t len) {
   r.node = h.nodeid;
   ++stats_.requests;
   if (!ParseRequest(r)) {
-    out_->ToKernel(ErrorReply(h.unique, EINVAL).data(), kOutHeader);
+    ToKernel(ErrorReply(h.unique, EINVAL).data(), kOutHeader);
     out_->Log(absl::StrCat("relay: malformed ", OpName(h.opcode), " from the kernel; answered EINVAL"));
     return;
   }
   if (r.opcode == FUSE_INIT && init_request_.empty()) init_request_ = r.msg;
+  // Sent again after the launcher before this one died: it may have reached a program instance
+  // that did it, so what may have taken effect is looked at first.
+  if ((h.unique & kResendUniqueBit) && IsNonIdempotent(r.opcode)) r.check = true;
   requests_.emplace(h.unique, std::move(r));
   Dispatch(h.unique);
 }
@@ -197,6 +200,7 @@ void RelayCore::Dispatch(uint64_t unique) {
       Handle& hd = h->second;
       if (hd.maybe_lost && (r.opcode == FUSE_FSYNC || r.opcode == FUSE_FLUSH)) {
         hd.maybe_lost = false;
+        JournalHandle(kfh, hd);
         Fail(unique, EIO, absl::StrCat("writes to file handle ", kfh, " that the program which died had accepted "
                                        "but not synced may be lost"));
         return;
@@ -286,12 +290,18 @@ void RelayCore::EraseHandle(uint64_t kfh) {
   DropUnsynced(h->second);
   std::vector<uint64_t> waiters = std::move(h->second.waiters);
   handles_.erase(h);
+  if (journal_ != nullptr) journal_->HandleGone(kfh);
   // The kernel releases a handle only when nothing uses it; if something did, it fails (EBADF).
   for (uint64_t unique : waiters) Dispatch(unique);
 }
 
 void RelayCore::Reply(const char* data, size_t len) {
   ++stats_.answers_since_start;
+  ToKernel(data, len);
+}
+
+void RelayCore::ToKernel(const char* data, size_t len) {
+  FlushJournal();
   out_->ToKernel(data, len);
 }
 
@@ -318,6 +328,7 @@ void RelayCore::OnForget(const char* msg, size_t len) {
     }
   }
   Forgets();
+  FlushJournal();  // no reply follows to flush it: a successor would keep nodes the kernel forgot
 }
 
 void RelayCore::Forgets() {
@@ -582,6 +593,95 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
   }
 }
 
+// ---- Outliving the launcher ----
+
+void RelayCore::SetJournal(StateJournal* journal) {
+  journal_ = journal;
+  nodes_.TrackChanges();
+}
+
+void RelayCore::JournalHandle(uint64_t kfh, const Handle& h) {
+  if (journal_ == nullptr) return;
+  SavedHandle s;
+  s.kid = h.kid;
+  s.flags = h.flags;
+  s.dir = h.dir;
+  s.maybe_lost = h.maybe_lost;
+  s.unsynced_bytes = h.unsynced_bytes;
+  journal_->Handle(kfh, s);
+  for (const std::string& w : h.unsynced) journal_->Write(kfh, w);
+}
+
+void RelayCore::FlushJournal() {
+  if (journal_ == nullptr) return;
+  for (uint64_t kid : nodes_.TakeChanged()) {
+    const Node* n = nodes_.Find(kid);
+    if (n == nullptr) {
+      journal_->NodeGone(kid);
+    } else {
+      journal_->Node(kid, SavedNode{n->parent, std::string(n->name()), n->kernel_lookups});
+    }
+  }
+  bool ok = journal_->Flush();
+  if (ok && journal_->WantsCompaction()) {
+    journal_->BeginCompaction();
+    WriteState();
+    ok = journal_->EndCompaction();
+  }
+  if (!ok && !journal_failed_) {
+    journal_failed_ = true;
+    out_->Log(absl::StrCat("relay: writing the relay's state failed (", strerror(errno),
+                           "): a launcher that replaces this one may not restore every open file"));
+  }
+}
+
+void RelayCore::WriteState() {
+  if (init_done_) journal_->Init(init_request_, max_write_);
+  SavedState s = SaveForTest();
+  for (const auto& [kid, n] : s.nodes) journal_->Node(kid, n);
+  for (const auto& [kfh, h] : handles_) JournalHandle(kfh, h);
+}
+
+SavedState RelayCore::SaveForTest() const {
+  SavedState s;
+  if (init_done_) {
+    s.init_request = init_request_;
+    s.max_write = max_write_;
+  }
+  nodes_.ForEach([&](const Node& n) {
+    if (n.kid != kRootId) s.nodes[n.kid] = SavedNode{n.parent, std::string(n.name()), n.kernel_lookups};
+  });
+  for (const auto& [kfh, h] : handles_) {
+    s.handles[kfh] = SavedHandle{h.kid, h.flags, h.dir, h.maybe_lost, h.unsynced_bytes, h.unsynced};
+  }
+  return s;
+}
+
+void RelayCore::Restore(const SavedState& s) {
+  if (!s.init_request.empty()) {
+    init_request_ = s.init_request;
+    max_write_ = s.max_write;
+    init_done_ = true;
+    stats_.served = true;
+  }
+  std::vector<uint64_t> handle_kids;
+  for (const auto& [kfh, saved] : s.handles) {
+    Handle h;
+    h.kid = saved.kid;
+    h.flags = saved.flags;
+    h.dir = saved.dir;
+    h.unsynced = saved.unsynced;
+    h.unsynced_bytes = saved.unsynced_bytes;
+    // What a dead program held past the bound is gone with it (as in ProgramGone).
+    h.maybe_lost = saved.maybe_lost || saved.unsynced_bytes >= kMaxUnsyncedBytes;
+    for (const std::string& w : h.unsynced) unsynced_total_ += w.size();
+    handles_.emplace(kfh, std::move(h));
+    handle_kids.push_back(saved.kid);
+    next_fh_ = std::max(next_fh_, kfh + 1);
+  }
+  nodes_.Restore(s.nodes, handle_kids);
+}
+
 // ---- Program instances ----
 
 void RelayCore::ProgramGone() {
@@ -686,7 +786,7 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
     // The answer to an INTERRUPT (EAGAIN: ask again later), for the kernel.
     auto it = requests_.find(h.unique & ~1ULL);
     if (it != requests_.end() && it->second.state == State::kSent && it->second.instance == instance_) {
-      out_->ToKernel(msg, len);
+      ToKernel(msg, len);
     }
     return;
   }
@@ -718,9 +818,11 @@ void RelayCore::KeepOrSync(Request& r, int error) {
   if (it == handles_.end()) return;
   Handle& h = it->second;
   if (r.opcode != FUSE_WRITE) {  // synced: nothing the program holds is at risk any more
+    const bool had = h.unsynced_bytes != 0 || h.maybe_lost;
     DropUnsynced(h);
     h.unsynced_bytes = 0;
     h.maybe_lost = false;
+    if (had) JournalHandle(it->first, h);
     return;
   }
   if (h.unsynced_bytes + r.msg.size() > kMaxUnsyncedBytes ||
@@ -731,9 +833,12 @@ void RelayCore::KeepOrSync(Request& r, int error) {
                              "fsync or close reports EIO"));
     }
     DropUnsynced(h);
+    const bool news = h.unsynced_bytes != kMaxUnsyncedBytes;
     h.unsynced_bytes = kMaxUnsyncedBytes;  // stays over the bound until a sync
+    if (news) JournalHandle(it->first, h);
     return;
   }
+  if (journal_ != nullptr) journal_->Write(it->first, r.msg);
   h.unsynced_bytes += r.msg.size();
   unsynced_total_ += r.msg.size();
   h.unsynced.push_back(std::move(r.msg));
@@ -770,6 +875,7 @@ bool RelayCore::TranslateReply(Request& r, char* msg, size_t len, std::string* w
     h.pfh = Load<uint64_t>(msg + off);
     h.instance = instance_;
     const uint64_t kfh = next_fh_++;
+    JournalHandle(kfh, h);
     handles_.emplace(kfh, std::move(h));
     nodes_.AddHandle(kid);
     Store<uint64_t>(msg + off, kfh);
@@ -865,6 +971,7 @@ void RelayCore::OnInitReply(char* msg, size_t len, bool replayed) {
   }
   init_done_ = true;
   stats_.served = true;
+  if (journal_ != nullptr) journal_->Init(init_request_, max_write_);
 }
 
 void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len) {
@@ -927,6 +1034,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
       if (hit == handles_.end()) return;
       if (h.error != 0) {
         hit->second.maybe_lost = true;
+        JournalHandle(own.id, hit->second);
         out_->Log(absl::StrCat("relay: writing unsynced data again into file handle ", own.id, " failed: ",
                                strerror(-h.error), "; its next fsync or close reports EIO"));
       }
@@ -998,7 +1106,7 @@ void RelayCore::OnNotification(char* msg, size_t len) {
       Bad(absl::StrCat("notification ", h.error, ", which the relay does not pass on"));
       return;
   }
-  out_->ToKernel(msg, len);
+  ToKernel(msg, len);
 }
 
 }  // namespace fusekeeper::relay

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "agent/fkserve/relay/node_table.h"
+#include "agent/fkserve/relay/relay_state.h"
 
 namespace fusekeeper::relay {
 
@@ -86,6 +87,18 @@ class RelayCore {
   // A new instance is connected: it gets the INIT (if the kernel's was answered already), then
   // every waiting request.
   void ProgramStarted();
+
+  // Outliving the launcher (relay_state.h): from now on every change the kernel could come to
+  // depend on is written to `journal` before the kernel sees it. Not owned; set before traffic.
+  void SetJournal(StateJournal* journal);
+  // A dead launcher's state (its journal, Open'ed): the kernel's INIT was answered, and the nodes
+  // and handles it holds are known by path and flags, bound in no instance. Requests the dead
+  // launcher had read come again from the kernel (FUSE_NOTIFY_RESEND, their unique with bit 63
+  // set); those that may have taken effect are checked before they are sent (as after a
+  // program's death). Before any traffic.
+  void Restore(const SavedState& state);
+  // The state as a journal would restore it (tests).
+  SavedState SaveForTest() const;
 
   bool program_attached() const { return attached_; }
   // The kernel has its INIT answer (the connection is serving).
@@ -158,6 +171,11 @@ class RelayCore {
   void EraseHandle(uint64_t kfh);
   void Fail(uint64_t unique, int error, const std::string& why);
   void Reply(const char* data, size_t len);
+  // Every message to the kernel goes through here: the journal first.
+  void ToKernel(const char* data, size_t len);
+  void FlushJournal();
+  void JournalHandle(uint64_t kfh, const Handle& h);
+  void WriteState();  // the whole state, into a compaction
   void Forgets();
   void ForgetInProgram(uint64_t pid, uint64_t count);
   void OnForget(const char* msg, size_t len);
@@ -203,6 +221,8 @@ class RelayCore {
   std::string init_request_;  // the kernel's INIT, as sent
   uint32_t max_write_ = 0;    // negotiated with the kernel
   RelayStats stats_;
+  StateJournal* journal_ = nullptr;
+  bool journal_failed_ = false;
 };
 
 }  // namespace fusekeeper::relay

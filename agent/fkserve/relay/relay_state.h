@@ -1,0 +1,111 @@
+// StateJournal: what a relay must remember to outlive its own launcher, kept in a memfd that the
+// agent holds beside the kernel connection (handoff_protocol.h, "relay_state").
+//
+// A launcher can die too (its container restarted, its image upgraded). The kernel connection
+// survives (the agent holds a dup), but a new launcher would know nothing of the node ids and
+// file handles the kernel holds: every open file in every pod would fail. So the relay writes
+// every change the kernel could come to depend on here *before* the kernel sees it (RelayCore
+// flushes before each write to /dev/fuse), and the next launcher reads it back (Open), asks the
+// kernel to resend what the dead launcher had read (FUSE_NOTIFY_RESEND) and carries on as after
+// a program restart.
+//
+// What is kept: the kernel's FUSE_INIT and the max_write it was promised; each node the kernel
+// holds (kid, parent, name, kernel lookup count); each open handle (node, open flags) with the
+// WRITEs answered since its last sync (a program like s3fs holds them until then). Requests in
+// flight are not: the kernel resends them.
+//
+// Layout: a header page at offset 0 ("FKRELAY1", u64 start of the log), then records from
+// `start`: u32 length (type + payload), u32 check (FNV-1a of offset, type and payload), u8
+// type, payload. The log ends at the first record of length 0 or with a bad check (a launcher
+// killed in the middle of a write leaves a torn record: it is cut off when the log is opened).
+// Records are state, not deltas (a node's whole state each time), so the last one wins.
+// Compaction writes the whole state after the end, then moves `start` (one small write), then
+// punches out the old log: killed at any point, either the old log or the new one is whole.
+//
+// Not thread-safe: the relay's loop thread. Writes to a memfd block on memory only.
+#pragma once
+
+#include <stdint.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "agent/base/unique_fd.h"
+
+namespace fusekeeper::relay {
+
+struct SavedNode {
+  uint64_t parent = 0;  // kid; 0: no path
+  std::string name;
+  uint64_t kernel_lookups = 0;
+};
+
+struct SavedHandle {
+  uint64_t kid = 0;
+  uint32_t flags = 0;
+  bool dir = false;
+  bool maybe_lost = false;
+  uint64_t unsynced_bytes = 0;         // may be over what `unsynced` holds (past the relay's bound)
+  std::vector<std::string> unsynced;   // the kernel's WRITE messages, in order
+};
+
+struct SavedState {
+  std::string init_request;  // the kernel's FUSE_INIT; empty: not answered yet
+  uint32_t max_write = 0;
+  std::map<uint64_t, SavedNode> nodes;      // by kid (the root is implied)
+  std::map<uint64_t, SavedHandle> handles;  // by kernel fh
+};
+
+class StateJournal {
+ public:
+  // A new, empty journal in a new memfd (close-on-exec).
+  static absl::StatusOr<std::unique_ptr<StateJournal>> Create();
+  // An existing journal (a dead launcher's): reads its state, cuts off a torn tail, and goes on
+  // appending after it. INVALID_ARGUMENT (with what is wrong) if it is not a journal or its
+  // records do not make sense; the fd is then not taken over.
+  static absl::StatusOr<std::unique_ptr<StateJournal>> Open(UniqueFd fd, SavedState* state);
+  // Parses a journal's bytes (the whole file). For Open and the fuzzer.
+  static absl::StatusOr<SavedState> Parse(absl::string_view file, uint64_t* end);
+
+  int fd() const { return fd_.get(); }
+
+  // Records, buffered until Flush.
+  void Init(absl::string_view init_request, uint32_t max_write);
+  void Node(uint64_t kid, const SavedNode& node);
+  void NodeGone(uint64_t kid);
+  // A handle's whole state; its kept WRITEs are the ones recorded with Write after this.
+  void Handle(uint64_t kfh, const SavedHandle& handle);
+  void HandleGone(uint64_t kfh);
+  void Write(uint64_t kfh, absl::string_view write_request);
+
+  // Writes what is buffered. False if the memfd could not take it (the state kept from then on
+  // is incomplete: logged once by the caller; the relay goes on).
+  bool Flush();
+  // The log has grown past twice its last compacted size (and 1 MiB).
+  bool WantsCompaction() const;
+  // Compaction: Begin, the whole state as records, End.
+  void BeginCompaction();
+  bool EndCompaction();
+
+  uint64_t log_bytes() const { return end_ - start_; }
+
+ private:
+  explicit StateJournal(UniqueFd fd) : fd_(std::move(fd)) {}
+  void Record(char type, absl::string_view a, absl::string_view b = {});
+  bool WriteHeader(uint64_t start);
+
+  UniqueFd fd_;
+  uint64_t start_ = 0;  // where the current log starts
+  uint64_t end_ = 0;    // where the next record goes (past what is flushed)
+  std::string pending_;
+  uint64_t pending_at_ = 0;  // the offset pending_ is written at
+  uint64_t compacted_bytes_ = 0;
+  uint64_t compaction_start_ = 0;  // while compacting: the new log's start
+  bool compacting_ = false;
+};
+
+}  // namespace fusekeeper::relay

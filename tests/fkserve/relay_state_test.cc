@@ -1,0 +1,145 @@
+// StateJournal: what a new launcher reads back is the last state written, whatever point the old
+// one was killed at (a torn record, a compaction cut short), and anything that is not a journal is
+// refused with a reason, never a crash.
+#include "agent/fkserve/relay/relay_state.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <random>
+
+#include "agent/base/unique_fd.h"
+#include "gtest/gtest.h"
+
+namespace fusekeeper::relay {
+namespace {
+
+std::string FileOf(int fd) {
+  struct stat st;
+  EXPECT_EQ(fstat(fd, &st), 0);
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  EXPECT_EQ(pread(fd, out.data(), out.size(), 0), static_cast<ssize_t>(out.size()));
+  return out;
+}
+
+SavedState Reopen(const StateJournal& j, std::unique_ptr<StateJournal>* out = nullptr) {
+  SavedState s;
+  auto opened = StateJournal::Open(UniqueFd(dup(j.fd())), &s);
+  EXPECT_TRUE(opened.ok()) << opened.status();
+  if (out != nullptr && opened.ok()) *out = std::move(*opened);
+  return s;
+}
+
+std::string WriteRequest(const std::string& data) { return std::string(80, 'h') + data; }
+
+TEST(StateJournalTest, LastRecordWins) {
+  auto j = *StateJournal::Create();
+  j->Init(std::string(56, 'i'), 131072);
+  j->Node(5, {1, "a", 1});
+  j->Node(6, {5, "b", 2});
+  j->Node(5, {1, "a", 3});
+  j->Handle(1, {6, 2, false, false, 0, {}});
+  j->Write(1, WriteRequest("one"));
+  j->Handle(2, {5, 0, true, false, 0, {}});
+  j->HandleGone(2);
+  ASSERT_TRUE(j->Flush());
+  const SavedState s = Reopen(*j);
+  EXPECT_EQ(s.init_request, std::string(56, 'i'));
+  EXPECT_EQ(s.max_write, 131072u);
+  ASSERT_EQ(s.nodes.size(), 2u);
+  EXPECT_EQ(s.nodes.at(5).kernel_lookups, 3u);
+  EXPECT_EQ(s.nodes.at(6).name, "b");
+  ASSERT_EQ(s.handles.size(), 1u);
+  ASSERT_EQ(s.handles.at(1).unsynced.size(), 1u);
+  EXPECT_EQ(s.handles.at(1).unsynced[0], WriteRequest("one"));
+  // A handle's state again (synced): its kept writes go.
+  j->Handle(1, {6, 2, false, false, 0, {}});
+  j->NodeGone(6);
+  ASSERT_TRUE(j->Flush());
+  const SavedState t = Reopen(*j);
+  EXPECT_TRUE(t.handles.at(1).unsynced.empty());
+  EXPECT_EQ(t.nodes.count(6), 0u);
+}
+
+// Killed in the middle of writing a record: every prefix of the last write restores the state
+// before it; the next launcher appends after the cut and its records count.
+TEST(StateJournalTest, ATornRecordIsCutOffAndWrittenOver) {
+  auto j = *StateJournal::Create();
+  j->Node(5, {1, "kept", 1});
+  ASSERT_TRUE(j->Flush());
+  const std::string whole = FileOf(j->fd());
+  j->Node(6, {1, "torn", 1});
+  ASSERT_TRUE(j->Flush());
+  const std::string with = FileOf(j->fd());
+  for (size_t cut = whole.size(); cut < with.size(); ++cut) {
+    auto fresh = *StateJournal::Create();
+    ASSERT_EQ(pwrite(fresh->fd(), with.data(), cut, 0), static_cast<ssize_t>(cut));
+    std::unique_ptr<StateJournal> reopened;
+    const SavedState s = Reopen(*fresh, &reopened);
+    ASSERT_EQ(s.nodes.size(), 1u) << "cut at " << cut;
+    reopened->Node(7, {1, "after", 1});
+    ASSERT_TRUE(reopened->Flush());
+    const SavedState t = Reopen(*reopened);
+    EXPECT_EQ(t.nodes.size(), 2u) << "cut at " << cut;
+    EXPECT_EQ(t.nodes.count(7), 1u);
+  }
+}
+
+// A compaction cut short (the launcher killed before the new log's start was written) leaves
+// the old log whole; a finished one frees the old log's memory.
+TEST(StateJournalTest, ACompactionCutShortLeavesTheOldLog) {
+  auto j = *StateJournal::Create();
+  for (uint64_t i = 2; i < 5000; ++i) j->Node(i, {1, "n" + std::to_string(i), i});
+  for (uint64_t i = 3; i < 5000; ++i) j->NodeGone(i);
+  ASSERT_TRUE(j->Flush());
+  ASSERT_TRUE(j->WantsCompaction() || j->log_bytes() < (1u << 20));
+  j->BeginCompaction();
+  j->Node(2, {1, "n2", 2});
+  ASSERT_TRUE(j->Flush());  // the new log is written, its start not yet
+  uint64_t end;
+  SavedState s = *StateJournal::Parse(FileOf(j->fd()), &end);  // what a successor would read
+  EXPECT_EQ(s.nodes.size(), 1u);
+  EXPECT_EQ(s.nodes.at(2).kernel_lookups, 2u);
+  ASSERT_TRUE(j->EndCompaction());
+  EXPECT_LT(j->log_bytes(), 100u);
+  s = Reopen(*j);
+  ASSERT_EQ(s.nodes.size(), 1u);
+  EXPECT_EQ(s.nodes.at(2).name, "n2");
+  struct stat st;
+  ASSERT_EQ(fstat(j->fd(), &st), 0);
+  EXPECT_LT(st.st_blocks * 512, 64 * 1024) << "the old log's pages are given back";
+}
+
+TEST(StateJournalTest, WhatIsNotAJournalIsRefusedWithAReason) {
+  uint64_t end;
+  EXPECT_FALSE(StateJournal::Parse("", &end).ok());
+  EXPECT_FALSE(StateJournal::Parse(std::string(4096, 'x'), &end).ok());
+  // A record whose check holds but whose content is nonsense (a node named with a slash).
+  auto j = *StateJournal::Create();
+  j->Node(5, {1, "a/b", 1});
+  ASSERT_TRUE(j->Flush());
+  auto bad = StateJournal::Parse(FileOf(j->fd()), &end);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bad node record"), std::string::npos) << bad.status();
+  // A kept write for a handle that is not open.
+  auto k = *StateJournal::Create();
+  k->Write(9, WriteRequest("x"));
+  ASSERT_TRUE(k->Flush());
+  EXPECT_FALSE(StateJournal::Parse(FileOf(k->fd()), &end).ok());
+  // Random damage anywhere never crashes the parser.
+  auto good = *StateJournal::Create();
+  for (uint64_t i = 2; i < 50; ++i) good->Node(i, {i - 1, "n", 1});
+  good->Handle(3, {4, 0, false, false, 5, {}});
+  good->Write(3, WriteRequest("abcde"));
+  ASSERT_TRUE(good->Flush());
+  const std::string file = FileOf(good->fd());
+  std::mt19937 rng(7);
+  for (int round = 0; round < 2000; ++round) {
+    std::string damaged = file.substr(0, rng() % (file.size() + 1));
+    for (int i = 0; i < 4 && !damaged.empty(); ++i) damaged[rng() % damaged.size()] = static_cast<char>(rng());
+    (void)StateJournal::Parse(damaged, &end);
+  }
+}
+
+}  // namespace
+}  // namespace fusekeeper::relay
