@@ -31,15 +31,17 @@ HandoffReply Named(HandoffReply r) {
 
 std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
 
-void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh, const std::string& init, bool relayed) {
+void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh, const std::string& init, bool relayed,
+                  int relay_state) {
   HandoffReply r;
   r.relayed = relayed;
+  r.relay_state = relay_state >= 0;
   r.ok = ok;
   r.error = error;
   r.fresh = fresh;
   r.init = init;
   r.server = ServerName();
-  auto s = SendHandoffMessage(sock, EncodeHandoffReply(r), -1);
+  auto s = SendHandoffMessage(sock, EncodeHandoffReply(r), relay_state);
   if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
 }
 
@@ -133,7 +135,8 @@ UniqueFd AgentLink::Redeposit() {
       r.redeposit = true;
       r.relayed = relayed_;
       r.init = init_;
-      auto sent = SendHandoffMessage(s.get(), EncodeHandoffReply(Named(r)), fuse_dup_.get());
+      r.relay_state = relay_state_.valid();
+      auto sent = SendHandoffMessage(s.get(), EncodeHandoffReply(Named(r)), fuse_dup_.get(), relay_state_.get());
       if (sent.ok()) {
         fprintf(stderr, "fkserve: re-deposited the FUSE connection with the agent\n");
         return s;

@@ -23,8 +23,9 @@ std::string ServerName();
 
 // Answers the agent's handoff on `sock` (blocking); a failure to reply is printed, and changes
 // nothing that follows.
+// `relay_state`: the relay's state memfd to deposit with an ok reply (-1: none).
 void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "",
-                  bool relayed = false);
+                  bool relayed = false, int relay_state = -1);
 
 class AgentLink {
  public:
@@ -36,6 +37,8 @@ class AgentLink {
   // The server relays the connection (HandoffReply::relayed): said again when re-depositing.
   // Before Start().
   void set_relayed(bool relayed) { relayed_ = relayed; }
+  // The relay's state memfd (a dup), re-deposited with the connection. Before Start().
+  void set_relay_state(UniqueFd state) { relay_state_ = std::move(state); }
   // Starts watching (a thread).
   void Start();
   // Sends the final HandoffReply on the current connection and stops watching. Any thread.
@@ -53,6 +56,7 @@ class AgentLink {
   const uid_t agent_uid_;
   bool relayed_ = false;
   UniqueFd fuse_dup_;
+  UniqueFd relay_state_;
   std::mutex mu_;
   UniqueFd sock_;  // guarded by mu_
   std::atomic<bool> stopping_{false};

@@ -28,6 +28,7 @@
 #include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/fusermount_protocol.h"
 #include "agent/fkserve/relay/relay.h"
+#include "agent/fuse/handoff_protocol.h"
 #include "agent/fkserve/stop_signals.h"
 
 namespace fusekeeper {
@@ -244,6 +245,9 @@ bool Spawn(const LaunchOptions& o, const PrivateDir& dir, int conn, Instance* in
     // library like any other program. A container with allowPrivilegeEscalation: false has this
     // already.
     prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+    // It ends with the launcher (as in a container, where the launcher is its PID 1): the next
+    // launcher starts its own instance.
+    prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     for (int sig : kStopSignals) signal(sig, SIG_DFL);
     std::vector<char*> argv;
     for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -338,7 +342,7 @@ bool SleepUnlessStopped(std::chrono::milliseconds d) {
 
 }  // namespace
 
-int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
+int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& o) {
   const int sock = sock_fd.get();
   auto fail = [sock](int code, const std::string& why) {
     ReplyToAgent(sock, false, why);
@@ -364,6 +368,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   std::mutex link_mu;
   std::string last_death;  // guarded by link_mu
   std::atomic<bool> connection_ended{false};
+  std::string adopted;  // relayed, carrying on from a dead launcher: what was restored (else "")
   std::unique_ptr<relay::Relay> relay;
   if (o.relay) {
     relay::RelayCallbacks cb;
@@ -378,10 +383,11 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
       }).detach();
     };
     cb.first_answer = [&, name](std::chrono::nanoseconds took, const relay::RelayStats& st) {
-      if (st.instances <= 1) return;
+      if (st.instances <= 1 && adopted.empty()) return;
       std::lock_guard<std::mutex> lock(link_mu);
       const std::string text = absl::StrCat(
-          "relay: ", name, " restarted (", st.instances - 1, " restart(s) so far) after it ", last_death,
+          "relay: ", name, " restarted (", st.instances - 1 + (adopted.empty() ? 0 : 1),
+          " restart(s) so far) after ", st.instances <= 1 ? adopted : absl::StrCat("it ", last_death),
           "; serving again ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
           " ms after its start, with the connection kept: ", st.resent, " request(s) resent, ", st.resolved,
           " node(s) looked up again, ", st.reopened, " handle(s) reopened, ", st.restore_failures,
@@ -391,7 +397,28 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
         link_for_callbacks->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
       }
     };
-    auto r = relay::Relay::Start(fuse_fd.get(), std::move(cb));
+    const bool adopting = relay_state.valid();
+    auto r = relay::Relay::Start(fuse_fd.get(), cb, std::move(relay_state));
+    if (!r.ok() && adopting) {
+      // The state the dead launcher left cannot be carried on from: a fresh connection (the
+      // agent mounts one and re-binds every pod target; open files are lost, as with --direct).
+      fprintf(stderr, "fkserve: cannot carry on from the previous launcher's relay state (%s); asking for a fresh "
+              "connection\n", std::string(r.status().message()).c_str());
+      ReplyToAgent(sock, false, absl::StrCat("cannot carry on from the relay state: ", r.status().message()),
+                   /*fresh=*/true);
+      auto msg = ReceiveHandoffMessage(sock);
+      if (!msg.ok()) return fail(4, absl::StrCat("receiving a fresh connection: ", msg.status().message()));
+      auto config = DecodeMountConfig(msg->payload);
+      if (!config.ok() || config->live || !msg->fd.valid()) {
+        return fail(4, "the agent did not send a fresh connection after one was asked for");
+      }
+      fuse_fd = std::move(msg->fd);
+      r = relay::Relay::Start(fuse_fd.get(), cb);
+    } else if (r.ok() && adopting) {
+      adopted = absl::StrCat("the launcher before this one ended, carrying on from its relay state (",
+                             (*r)->restored_nodes(), " node(s), ", (*r)->restored_handles(), " open handle(s))");
+      fprintf(stderr, "fkserve: %s\n", adopted.c_str());
+    }
     if (!r.ok()) return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message()));
     relay = std::move(*r);
   }
@@ -409,7 +436,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
     if (conn < 0) return fail(5, "the relay could not make a socket for the program");
     if (!Spawn(o, dir, conn, &inst, &error)) return fail(absl::StartsWith(error, "could not start") ? 127 : 5, error);
   }
-  ReplyToAgent(sock, true, "", false, "", /*relayed=*/relay != nullptr);
+  ReplyToAgent(sock, true, "", false, "", /*relayed=*/relay != nullptr, relay ? relay->state_fd() : -1);
   if (o.mark_ready) o.mark_ready(true);
   // The connection stays open while the program serves (and is re-deposited with a restarted
   // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
@@ -418,6 +445,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, const LaunchOptions& o) {
   if (!relay) fuse_fd.Reset();
   AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
   link.set_relayed(relay != nullptr);
+  if (relay) link.set_relay_state(UniqueFd(fcntl(relay->state_fd(), F_DUPFD_CLOEXEC, 3)));
   link.Start();
   {
     std::lock_guard<std::mutex> lock(link_mu);

@@ -178,7 +178,10 @@ int main(int argc, char** argv) {
       fusekeeper::ReplyToAgent(sock.get(), false, "the fd received is not /dev/fuse");
       return Fail(4, "the agent's message did not carry a /dev/fuse fd");
     }
-    const bool can_adopt = mode == "serve" && !config->init.empty();
+    // `serve` replays the first server's INIT; a relayed `launch` carries on from the relay state
+    // the launcher before it deposited with the agent.
+    const bool can_adopt = (mode == "serve" && !config->init.empty()) ||
+                           (mode == "launch" && !FLAGS_direct && config->relay_state && msg->fd2.valid());
     if (!config->live || can_adopt) break;
     if (round > 0) return Fail(4, "the agent offered a live connection again after a fresh one was asked for");
     fprintf(stderr, "fkserve: volume %s: cannot adopt the live connection in %s mode; asking for a fresh one\n",
@@ -218,7 +221,8 @@ int main(int argc, char** argv) {
     lo.relay = !FLAGS_direct;
     lo.max_restarts = FLAGS_max_restarts;
     lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);
-    return fusekeeper::Launch(std::move(sock), std::move(msg->fd), lo);
+    return fusekeeper::Launch(std::move(sock), std::move(msg->fd),
+                              config->live ? std::move(msg->fd2) : UniqueFd(), lo);
   }
 
   fusekeeper::PassthroughOptions options;

@@ -30,7 +30,7 @@ struct HandoffEndpoint::Connection {
   std::string out;
   iovec out_iov{};
   msghdr out_msg{};
-  alignas(cmsghdr) char out_control[CMSG_SPACE(sizeof(int))];
+  alignas(cmsghdr) char out_control[CMSG_SPACE(2 * sizeof(int))];
   std::string in;
   iovec in_iov{};
   msghdr in_msg{};
@@ -243,6 +243,7 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
   serving_connection_ = nullptr;
   server_gone_ = false;
   init_record_.clear();
+  relay_state_.Reset();  // it describes the connection that is gone
   std::vector<std::unique_ptr<Connection>> waiting = std::move(parked_);
   parked_.clear();
   for (auto& c : waiting) {
@@ -262,6 +263,7 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
     MountConfig live = config_;
     live.live = true;
     live.init = init_record_;
+    live.relay_state = relay_state_.valid();
     c->out = EncodeMountConfig(live);
   } else {
     c->out = EncodeMountConfig(config_);
@@ -271,13 +273,14 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   c->out_msg.msg_iovlen = 1;
   if (!refuse) {
     c->out_msg.msg_control = c->out_control;
-    c->out_msg.msg_controllen = sizeof(c->out_control);
+    const int fds[2] = {fuse_fd_.get(), relay_state_.get()};
+    const size_t count = c->live && relay_state_.valid() ? 2 : 1;
+    c->out_msg.msg_controllen = CMSG_SPACE(count * sizeof(int));
     cmsghdr* cm = CMSG_FIRSTHDR(&c->out_msg);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    const int fd = fuse_fd_.get();
-    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    cm->cmsg_len = CMSG_LEN(count * sizeof(int));
+    std::memcpy(CMSG_DATA(cm), fds, count * sizeof(int));
   }
   c->send.callback = [this, c, why](int32_t res, bool) {
     Completed();
@@ -296,11 +299,10 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
   c->recv.callback = [this, c](int32_t res, bool) {
     Completed();
     loop_.CancelTimer(c->timer);
-    // Close any fds a misbehaving server attached to its reply (they go out of scope here).
-    if (res > 0) {
-      bool other_control;
-      TakeReceivedFds(c->in_msg, &other_control);
-    }
+    // Any fds but a relay state the reply announces are closed (they go out of scope here).
+    std::vector<UniqueFd> fds;
+    bool other_control = false;
+    if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
     if (res == -ECANCELED) {
       if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
       return Finish(c, absl::DeadlineExceededError(absl::StrCat(
@@ -330,6 +332,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
       return Finish(c, absl::FailedPreconditionError(absl::StrCat("the server refused: ", reply->error)),
                     std::nullopt);
     }
+    if (reply->relay_state) KeepRelayState(c, fds.size() == 1 && !other_control ? std::move(fds[0]) : UniqueFd());
     Finish(c, absl::OkStatus(), *reply);
   };
   io_uring_sqe* sqe = loop_.GetSqe();
@@ -368,8 +371,9 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
                     std::nullopt);
     }
     std::string why;
-    if (fds.size() != 1 || other_control) {
-      why = "a re-deposit must carry exactly one fd";
+    if (fds.size() != (reply->relay_state ? 2u : 1u) || other_control) {
+      why = reply->relay_state ? "a re-deposit with a relay state must carry exactly two fds"
+                               : "a re-deposit must carry exactly one fd";
     } else if (!restored_) {
       why = absl::StrCat("volume ", config_.volume_id, " already has a connection");
     } else {
@@ -377,6 +381,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     }
     if (!why.empty()) return SendOffer(c, /*refuse=*/true, why);
     fuse_fd_ = std::move(fds[0]);
+    if (reply->relay_state) KeepRelayState(c, std::move(fds[1]));
     restored_ = false;
     aborted_ = false;
     ++redeposits_;
@@ -391,6 +396,16 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
   Arm(sqe, &c->recv);
   c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.redeposit_wait),
                             [this, c] { loop_.Cancel(&c->recv); });
+}
+
+void HandoffEndpoint::KeepRelayState(Connection* c, UniqueFd fd) {
+  if (!fd.valid() || !IsMemfd(fd.get())) {
+    LOG(WARNING) << "volume " << config_.volume_id << ": " << c->Peer()
+                 << " says it deposits its relay state, but what it attached is not one memfd; not kept "
+                    "(a launcher that replaces it will ask for a fresh connection)";
+    return;
+  }
+  relay_state_ = std::move(fd);
 }
 
 std::string HandoffEndpoint::CheckRedeposited(int fd) const {

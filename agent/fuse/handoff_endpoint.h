@@ -110,6 +110,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // Connections servers re-deposited after an agent restart.
   int redeposits() const { return redeposits_; }
   int fuse_fd() const { return fuse_fd_.get(); }
+  // The relay state a serving launcher deposited (handoff_protocol.h), kept for its successor.
+  bool has_relay_state() const { return relay_state_.valid(); }
   int connections_handled() const { return connections_; }
 
  private:
@@ -140,6 +142,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   static void PrepareReceive(Connection* c);
   // Watches the kept fd for POLLERR (the connection was aborted).
   void ArmAbortWatch();
+  // Keeps a server's relay state memfd (handoff_protocol.h) for the next server of the connection.
+  void KeepRelayState(Connection* c, UniqueFd fd);
   // Removes c from the in-flight list, handing over its ownership.
   std::unique_ptr<Connection> TakeConnection(Connection* c);
 
@@ -157,6 +161,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::deque<Watch> watches_;
   Watch* abort_watch_ = nullptr;  // the current one
   std::string init_record_;  // the FUSE_INIT the first server of this connection reported
+  UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
   std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;
   Connection* serving_connection_ = nullptr;  // the current server's (watched) connection

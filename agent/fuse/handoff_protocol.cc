@@ -1,5 +1,8 @@
 #include "agent/fuse/handoff_protocol.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include <errno.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -140,6 +143,7 @@ std::string EncodeMountConfig(const MountConfig& c) {
   AppendMap(&out, "volume_context", c.volume_context);
   AppendMap(&out, "secrets", c.secrets);
   if (c.live) absl::StrAppend(&out, ",\"live\":true,\"init\":\"", EncodeHex(c.init), "\"");
+  if (c.live && c.relay_state) out += ",\"relay_state\":true";
   out += "}";
   return out;
 }
@@ -197,6 +201,9 @@ absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json) {
     auto raw = DecodeHex(absl::string_view(hex.data(), hex.size()));
     if (!raw.ok()) return Bad(absl::StrCat("\"init\": ", raw.status().message()));
     c.init = std::move(*raw);
+    if (!(*doc)["relay_state"].get(e)) {
+      if (e.get_bool().get(c.relay_state)) return Bad("\"relay_state\" is not a boolean");
+    }
   }
   return c;
 }
@@ -210,6 +217,7 @@ std::string EncodeHandoffReply(const HandoffReply& r) {
   if (!r.notice.empty()) absl::StrAppend(&out, ",\"notice\":", JsonQuote(r.notice));
   if (r.relayed) out += ",\"relayed\":true";
   if (r.restart_ms >= 0) absl::StrAppend(&out, ",\"restart_ms\":", r.restart_ms);
+  if (r.relay_state) out += ",\"relay_state\":true";
   if (!r.init.empty()) absl::StrAppend(&out, ",\"init\":\"", EncodeHex(r.init), "\"");
   out += "}";
   return out;
@@ -235,6 +243,9 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   if (!(*doc)["relayed"].get(e)) {
     if (e.get_bool().get(r.relayed)) return Bad("\"relayed\" is not a boolean");
   }
+  if (!(*doc)["relay_state"].get(e)) {
+    if (e.get_bool().get(r.relay_state)) return Bad("\"relay_state\" is not a boolean");
+  }
   if (!(*doc)["restart_ms"].get(e)) {
     if (e.get_int64().get(r.restart_ms) || r.restart_ms < 0) return Bad("\"restart_ms\" is not a duration in ms");
   }
@@ -248,21 +259,26 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   return r;
 }
 
-absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd) {
+absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd, int fd2) {
   if (payload.size() > kMaxHandoffMessageBytes) return Bad("payload too large to send");
   iovec iov{const_cast<char*>(payload.data()), payload.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-  if (fd >= 0) {
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
+  int fds[2];
+  size_t count = 0;
+  for (int f : {fd, fd2}) {
+    if (f >= 0) fds[count++] = f;
+  }
+  if (count > 0) {
     msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
+    msg.msg_controllen = CMSG_SPACE(count * sizeof(int));
     cmsghdr* cm = CMSG_FIRSTHDR(&msg);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    cm->cmsg_len = CMSG_LEN(count * sizeof(int));
+    std::memcpy(CMSG_DATA(cm), fds, count * sizeof(int));
   }
   ssize_t n;
   do {
@@ -311,11 +327,22 @@ absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock) {
   if (n == 0 && fds.empty()) return absl::UnavailableError("the peer closed the handoff socket");
   if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return Bad("message or its control data was truncated");
   if (other_control) return Bad("unexpected control data");
-  if (fds.size() > 1) return Bad(absl::StrCat(fds.size(), " file descriptors attached; expected at most 1"));
+  if (fds.size() > 2) return Bad(absl::StrCat(fds.size(), " file descriptors attached; expected at most 2"));
   ReceivedMessage out;
   out.payload.assign(buf.data(), static_cast<size_t>(n));
   if (!fds.empty()) out.fd = std::move(fds[0]);
+  if (fds.size() > 1) out.fd2 = std::move(fds[1]);
   return out;
+}
+
+bool IsMemfd(int fd) {
+  // Only shmem files answer F_GET_SEALS (a memfd made without sealing says F_SEAL_SEAL), and a
+  // memfd's name is "/memfd:<name>" (not a file on any file system the agent could be led to).
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || fcntl(fd, F_GET_SEALS) < 0) return false;
+  char link[64];
+  const ssize_t n = readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
+  return n > 7 && memcmp(link, "/memfd:", 7) == 0;
 }
 
 }  // namespace fusekeeper

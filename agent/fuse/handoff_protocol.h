@@ -51,6 +51,19 @@
 // the volume is already served by another connection); DecodeMountConfig reports it as
 // FAILED_PRECONDITION with the agent's words.
 //
+// Relay state (fkserve launch, relayed). A relay keeps what the kernel knows of a relayed
+// connection (node ids, open handles, writes not yet synced) in a memfd journal so that a
+// launcher of its own can outlive it (agent/fkserve/relay/relay_state.h). It deposits that memfd
+// with the agent: its ok reply (and its re-deposits, after the fuse fd) says "relay_state":true
+// and carries the memfd as the last SCM_RIGHTS fd. The agent keeps it beside the kept connection
+// (never reading it) and offers it to the next server of the same connection: a live config with
+// "relay_state":true carries it as a second fd after the connection. A server that cannot use it
+// closes it. A fresh connection drops it.
+//
+//   server → agent  {"version":1,"ok":true,"server":"...","relayed":true,"relay_state":true}
+//                                                                   + SCM_RIGHTS [state memfd]
+//   agent → server  {..., "live":true,"init":"","relay_state":true} + SCM_RIGHTS [fuse fd, state memfd]
+//
 // Unknown fields are ignored (forward compatible); a different major version is refused. Secrets
 // travel only for volumes that ask for them (volume_context "fusekeeper.io/pass-secrets":"true").
 #pragma once
@@ -85,6 +98,8 @@ struct MountConfig {
   // The connection was initialised by an earlier server; `init` is its FUSE_INIT request.
   bool live = false;
   std::string init;  // raw bytes (hex on the wire)
+  // live: a second fd follows the connection: the relay state the previous server deposited.
+  bool relay_state = false;
 };
 
 struct HandoffReply {
@@ -104,6 +119,8 @@ struct HandoffReply {
   // notice: a relayed program was restarted and answered again this long after its start
   // (-1: the notice is not about a restart).
   int64_t restart_ms = -1;
+  // ok (and redeposit): the relay's state memfd is attached (the last fd).
+  bool relay_state = false;
 };
 
 // Hex codec for the "init" fields; DecodeHex fails on odd length or non-hex characters.
@@ -126,14 +143,18 @@ std::string JsonQuote(absl::string_view s);
 // *other_control if control data of another kind was present.
 std::vector<UniqueFd> TakeReceivedFds(const msghdr& msg, bool* other_control);
 
+// Whether `fd` is a memfd (what a relay state must be: the agent keeps nothing else).
+bool IsMemfd(int fd);
+
 struct ReceivedMessage {
   std::string payload;
-  UniqueFd fd;  // invalid if none was attached
+  UniqueFd fd;   // invalid if none was attached
+  UniqueFd fd2;  // a second fd (the relay state of a live config), invalid if none
 };
 
-// Blocking (server side, tests). Sends one message, with `fd` attached if >= 0.
-absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd);
-// Blocking. Receives one message. The fd (if any) arrives close-on-exec. More than one fd, other
+// Blocking (server side, tests). Sends one message, with `fd` (and `fd2`) attached if >= 0.
+absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd, int fd2 = -1);
+// Blocking. Receives one message. The fds (if any) arrive close-on-exec. More than two fds, other
 // control data, or a truncated message → INVALID_ARGUMENT (and every received fd is closed).
 // Peer closed → UNAVAILABLE.
 absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock);

@@ -1,6 +1,7 @@
 #include "agent/fuse/handoff_protocol.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -121,6 +122,25 @@ TEST(HandoffProtocolTest, RelayedServersAndTheirRestartsRoundTrip) {
   EXPECT_FALSE(DecodeHandoffReply(R"({"version":1,"ok":true,"relayed":"yes"})").ok());
 }
 
+// A relay's state memfd travels with its ok reply (and re-deposits) and with a live config.
+TEST(HandoffProtocolTest, RelayStateFlagsRoundTrip) {
+  HandoffReply r{.ok = true};
+  r.relayed = r.relay_state = true;
+  auto back = DecodeHandoffReply(EncodeHandoffReply(r));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->relay_state);
+  EXPECT_FALSE(DecodeHandoffReply(EncodeHandoffReply({.ok = true}))->relay_state);
+  EXPECT_FALSE(DecodeHandoffReply(R"({"version":1,"ok":true,"relay_state":1})").ok());
+  MountConfig c{.volume_id = "v", .live = true};
+  c.relay_state = true;
+  auto config = DecodeMountConfig(EncodeMountConfig(c));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->live);
+  EXPECT_TRUE(config->relay_state);
+  c.live = false;  // only a live connection has a state to carry on from
+  EXPECT_FALSE(DecodeMountConfig(EncodeMountConfig(c))->relay_state);
+}
+
 class SocketPairTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -147,28 +167,40 @@ TEST_F(SocketPairTest, FdAndPayloadArriveTogetherCloseOnExec) {
   EXPECT_TRUE(fcntl(m->fd.get(), F_GETFD) & FD_CLOEXEC);
 }
 
-TEST_F(SocketPairTest, TwoFdsAreRefusedAndBothClosed) {
+TEST_F(SocketPairTest, TwoFdsArriveInOrder) {
+  UniqueFd first(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  UniqueFd second(memfd_create("state", MFD_CLOEXEC));
+  ASSERT_TRUE(SendHandoffMessage(a_.get(), "{}", first.get(), second.get()).ok());
+  auto m = ReceiveHandoffMessage(b_.get());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(IsMemfd(m->fd.get())) << "the first is the first sent";
+  EXPECT_TRUE(IsMemfd(m->fd2.get()));
+  EXPECT_EQ(fcntl(m->fd2.get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+}
+
+TEST_F(SocketPairTest, ThreeFdsAreRefusedAndAllClosed) {
   int extra[2];
   ASSERT_EQ(pipe2(extra, O_CLOEXEC), 0);
-  // Hand-built message with two fds.
+  // Hand-built message with three copies of the write end.
   char data[] = "x";
   iovec iov{data, 1};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
+  alignas(cmsghdr) char control[CMSG_SPACE(3 * sizeof(int))];
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   cmsghdr* cm = CMSG_FIRSTHDR(&msg);
   cm->cmsg_level = SOL_SOCKET;
   cm->cmsg_type = SCM_RIGHTS;
-  cm->cmsg_len = CMSG_LEN(2 * sizeof(int));
-  memcpy(CMSG_DATA(cm), extra, sizeof(extra));
+  cm->cmsg_len = CMSG_LEN(3 * sizeof(int));
+  const int fds[3] = {extra[1], extra[1], extra[1]};
+  memcpy(CMSG_DATA(cm), fds, sizeof(fds));
   ASSERT_EQ(sendmsg(a_.get(), &msg, 0), 1);
-  close(extra[1]);  // our copy of the write end; the received copy must get closed too
+  close(extra[1]);  // our copy of the write end; the received copies must get closed too
   auto m = ReceiveHandoffMessage(b_.get());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-  // If the receiver leaked the write end, this read would block instead of seeing EOF.
+  // If the receiver leaked a write end, this read would block instead of seeing EOF.
   char c;
   EXPECT_EQ(read(extra[0], &c, 1), 0) << "a received fd leaked";
   close(extra[0]);

@@ -47,6 +47,7 @@ struct Relay::LoopState final : RelayOutput {
   UniqueFd kernel;
   RelayCallbacks cb;
   size_t max_message = 0;
+  std::unique_ptr<StateJournal> journal;  // declared before the core, which writes to it
   std::unique_ptr<RelayCore> core;
   // Several reads of the kernel's connection at once: readahead and a multi-threaded program
   // have many requests in flight, and one read at a time would serialise them.
@@ -226,7 +227,7 @@ struct Relay::LoopState final : RelayOutput {
   }
 };
 
-absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks) {
+absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks, UniqueFd state) {
   std::unique_ptr<Relay> r(new Relay());
   // The largest message a socket pair carries here: the sender's buffer, less the kernel's own
   // 32 bytes of accounting (unix_dgram_sendmsg), and a margin.
@@ -255,6 +256,36 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   st->cb = std::move(callbacks);
   st->max_message = r->max_message_;
   st->core = std::make_unique<RelayCore>(st.get(), r->max_message_);
+  const bool adopting = state.valid();
+  if (adopting) {
+    SavedState saved;
+    auto j = StateJournal::Open(std::move(state), &saved);
+    if (!j.ok()) return j.status();
+    if (saved.init_request.empty()) {
+      return absl::FailedPreconditionError("the relay state holds no answered FUSE_INIT: nothing to carry on from");
+    }
+    st->journal = std::move(*j);
+    r->restored_nodes_ = saved.nodes.size();
+    r->restored_handles_ = saved.handles.size();
+    st->core->SetJournal(st->journal.get());
+    st->core->Restore(saved);
+  } else {
+    auto j = StateJournal::Create();
+    if (!j.ok()) return j.status();
+    st->journal = std::move(*j);
+    st->core->SetJournal(st->journal.get());
+  }
+  r->state_fd_ = st->journal->fd();
+  if (adopting) {
+    // The requests the dead launcher had read wait in the kernel's processing queue: sent again
+    // (unique | FUSE_UNIQUE_RESEND), they reach this relay's reads. Without it they would hang.
+    const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
+    if (write(st->kernel.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the kernel cannot resend the requests the previous launcher had read (FUSE_NOTIFY_RESEND, Linux 6.9+): ",
+          strerror(errno)));
+    }
+  }
   // The kernel checks that a read can take its largest WRITE: header, fuse_write_in, max_write.
   st->pbuf.resize(r->max_message_);
   for (auto& k : st->kreads) {

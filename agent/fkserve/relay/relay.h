@@ -38,7 +38,13 @@ class Relay {
  public:
   // Takes a dup of `kernel_fd` (the /dev/fuse connection). Sizes the program's messages from
   // the socket buffers it can get (net.core.wmem_max caps them): max_write follows.
-  static absl::StatusOr<std::unique_ptr<Relay>> Start(int kernel_fd, RelayCallbacks callbacks);
+  // `state`: a dead launcher's relay state (relay_state.h) to carry on from; the kernel is then
+  // asked to resend what that launcher had read and not answered (FUSE_NOTIFY_RESEND, Linux
+  // 6.9+). Invalid: a new connection, and a new state memfd. An unreadable state, or a kernel
+  // that cannot resend, is an error (INVALID_ARGUMENT, FAILED_PRECONDITION): the caller asks
+  // for a fresh connection instead.
+  static absl::StatusOr<std::unique_ptr<Relay>> Start(int kernel_fd, RelayCallbacks callbacks,
+                                                      UniqueFd state = UniqueFd());
   ~Relay();
 
   // Blocking (waits for the loop to take it). A socket pair for the next program instance: the
@@ -48,12 +54,19 @@ class Relay {
   // Blocking. The core's figures now.
   RelayStats Snapshot();
   size_t max_message_bytes() const { return max_message_; }
+  // The state memfd (to deposit with the agent); valid while the relay lives.
+  int state_fd() const { return state_fd_; }
+  // What Start restored: nodes and open handles.
+  size_t restored_nodes() const { return restored_nodes_; }
+  size_t restored_handles() const { return restored_handles_; }
   void Stop();
 
  private:
   Relay() = default;
   struct LoopState;
   size_t max_message_ = 0;
+  int state_fd_ = -1;
+  size_t restored_nodes_ = 0, restored_handles_ = 0;
   std::unique_ptr<LoopState> state_;
   std::thread thread_;
 };
