@@ -369,8 +369,101 @@ TEST_F(RelayWorkloadTest, TheAgentKilledWhileTheProgramRestartsCostsNoError) {
         << HttpGet(port, "/metrics");
     EXPECT_TRUE(absl::StrContains(HttpGet(port, "/metrics"), "fusekeeper_volumes_relayed 1"));
   }
+  // The new agent got the relay state with the re-deposit: a launcher killed now is succeeded by
+  // one that carries on from it.
+  {
+    const int gone_before = agent_->CountInStderr("the FUSE server closed its connection");
+    std::set<pid_t> procs = ProgramProcesses(launcher->pid());
+    launcher->Signal(SIGKILL);
+    for (pid_t p : procs) kill(p, SIGKILL);
+    ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value());
+    ASSERT_TRUE(agent_->WaitForStderr("the FUSE server closed its connection", gone_before + 1,
+                                      std::chrono::milliseconds(20000)));
+    launcher = StartServer(PodSocket("pod-a"), launch);
+    ASSERT_TRUE(launcher->WaitForStderr("carrying on from its relay state", 1, std::chrono::milliseconds(20000)))
+        << launcher->Stderr() << agent_->Stderr();
+    ASSERT_TRUE(app.WaitForSteps(3)) << absl::StrJoin(app.errors(), "; ");
+  }
   EXPECT_TRUE(app.Finish()) << absl::StrJoin(app.errors(), "; ");
   EXPECT_EQ(app.errors().size(), 0u) << absl::StrJoin(app.errors(), "; ");
+  {
+    grpc::Status s = Unpublish("prog", target);
+    ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
+  }
+  EXPECT_EQ(MountCountAt(target), 0);
+  ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << launcher->Stderr();
+}
+
+// Issue 20, item 5: the launcher itself killed (its container restarted, its image upgraded:
+// kill -9 of the launcher and every process of its program at once, as a container's end is) while
+// the app in the pod holds files open and works on them; a new launcher (what kubelet starts next)
+// gets the kept connection and the relay state the dead one deposited with the agent, carries on
+// from it, and the app sees no error. FUSEKEEPER_LAUNCHER_KILLS kills (default 5).
+TEST_P(RelayWorkloadTest, TheLauncherKilledAndStartedAgainCostsNoError) {
+  const Program& prog = GetParam();
+  std::vector<std::string> launch = {"--restart_window_ms=0"};
+  const std::string skip = Prepare(prog, &launch, [&](const std::string& src) {
+    if (!prog.starts_empty) PodWorkload::CreateFiles(src);
+  });
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  if (HasFatalFailure()) return;
+  const char* env = getenv("FUSEKEEPER_LAUNCHER_KILLS");
+  const int kills = env != nullptr ? atoi(env) : 5;
+  StartAgent();
+  const std::string target = Pod("pod-l", "prog");
+  ASSERT_RPC_OK(PublishInline("prog", "pod-l", target));
+  const std::string socket = PodSocket("pod-l");
+  Subprocess* launcher = StartServer(socket, launch);
+  if (prog.starts_empty) {
+    Subprocess maker({"/bin/true"}, {}, [&] {
+      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
+        _exit(99);
+      }
+      PodWorkload::CreateFiles(target);
+    });
+    ASSERT_EQ(maker.Wait(std::chrono::milliseconds(60000)).value_or(-1), 0) << launcher->Stderr();
+  }
+  const std::string view_dir = root_.path() + "/views/launcher";
+  fs::create_directories(view_dir);
+  const bool writes = prog.writable && std::string(prog.name) != "rclone-mount2";
+  PodWorkload app(target, view_dir, writes, kServerUid);
+  ASSERT_TRUE(app.WaitForSteps(3)) << prog.name << ": " << absl::StrJoin(app.errors(), "; ") << "\n"
+                                   << launcher->Stderr();
+  const std::string gone = "the FUSE server closed its connection";
+  for (int i = 1; i <= kills; ++i) {
+    const int gone_before = agent_->CountInStderr(gone);
+    if (i % 2 == 0) {
+      // Every other time, while it restarts its program: the program killed, the launcher as soon
+      // as it starts the next instance (INIT replayed, requests queued or resent).
+      const int restarts = launcher->CountInStderr("the relay keeps the connection: restarting it");
+      for (pid_t p : ProgramProcesses(launcher->pid())) kill(p, SIGKILL);
+      ASSERT_TRUE(launcher->WaitForStderr("the relay keeps the connection: restarting it", restarts + 1,
+                                          std::chrono::milliseconds(20000)))
+          << launcher->Stderr();
+    }
+    std::set<pid_t> procs = ProgramProcesses(launcher->pid());
+    launcher->Signal(SIGKILL);
+    for (pid_t p : procs) kill(p, SIGKILL);
+    ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value());
+    // The agent sees its server go (as kubelet would restart the container only after it ended).
+    ASSERT_TRUE(agent_->WaitForStderr(gone, gone_before + 1, std::chrono::milliseconds(20000))) << agent_->Stderr();
+    const std::string before = launcher->Stderr();
+    launcher = StartServer(socket, launch);
+    ASSERT_TRUE(launcher->WaitForStderr("carrying on from its relay state", 1, std::chrono::milliseconds(20000)))
+        << prog.name << " launcher " << i << ":\n" << launcher->Stderr() << "\nthe one before:\n" << before
+        << agent_->Stderr();
+    ASSERT_TRUE(app.WaitForSteps(2)) << prog.name << " launcher kill " << i << ": "
+                                     << absl::StrJoin(app.errors(), "; ") << "\n" << launcher->Stderr();
+  }
+  EXPECT_TRUE(app.Finish()) << prog.name << ": " << absl::StrJoin(app.errors(), "; ");
+  EXPECT_EQ(app.errors().size(), 0u) << prog.name << ": " << absl::StrJoin(app.errors(), "; ") << "\n"
+                                     << launcher->Stderr();
+  EXPECT_EQ(launcher->CountInStderr(") failed with "), 0) << launcher->Stderr();
+  const std::string log = launcher->Stderr();
+  const size_t at = log.find("serving again ");
+  std::cout << "RESULT launcher " << prog.name << ": " << kills << " kill -9 of the launcher, " << app.steps()
+            << " steps, " << app.errors().size() << " errors; last: "
+            << (at == std::string::npos ? "?" : log.substr(at, log.find(" after its start", at) - at)) << "\n";
   {
     grpc::Status s = Unpublish("prog", target);
     ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
