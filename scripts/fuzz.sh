@@ -27,9 +27,11 @@ build paths_fuzz tests/fuzz/paths_fuzz.cc agent/paths/host_path.cc agent/base/st
 build pod_list_fuzz tests/fuzz/pod_list_fuzz.cc agent/kubelet/pod_list.cc -lsimdjson
 build csi_request_fuzz tests/fuzz/csi_request_fuzz.cc agent/csi/validate.cc agent/csi/redact.cc "$gen/proto/csi.pb.cc" -lprotobuf
 build admission_fuzz tests/fuzz/admission_fuzz.cc agent/webhook/admission.cc agent/webhook/pod_mutation.cc
-build relay_fuzz tests/fuzz/relay_fuzz.cc agent/fkserve/relay/relay_core.cc agent/fkserve/relay/node_table.cc agent/fkserve/relay/fuse_wire.cc
+RELAY="agent/fkserve/relay/relay_core.cc agent/fkserve/relay/node_table.cc agent/fkserve/relay/fuse_wire.cc agent/fkserve/relay/relay_state.cc"
+build relay_fuzz tests/fuzz/relay_fuzz.cc $RELAY
+build relay_state_fuzz tests/fuzz/relay_state_fuzz.cc $RELAY
 status=0
-for t in mountinfo handoff paths csi_request pod_list admission relay; do
+for t in mountinfo handoff paths csi_request pod_list admission relay relay_state; do
   corpus="$out/corpus-$t"
   mkdir -p "$corpus" && cp tests/fuzz/corpus/$t/* "$corpus/"
   echo "fuzzing $t for ${seconds}s"

@@ -332,6 +332,9 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
       return Finish(c, absl::FailedPreconditionError(absl::StrCat("the server refused: ", reply->error)),
                     std::nullopt);
     }
+    // The state is the serving server's: one that keeps none (or attaches something else)
+    // leaves none for its successor.
+    relay_state_.Reset();
     if (reply->relay_state) KeepRelayState(c, fds.size() == 1 && !other_control ? std::move(fds[0]) : UniqueFd());
     Finish(c, absl::OkStatus(), *reply);
   };
@@ -381,6 +384,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     }
     if (!why.empty()) return SendOffer(c, /*refuse=*/true, why);
     fuse_fd_ = std::move(fds[0]);
+    relay_state_.Reset();
     if (reply->relay_state) KeepRelayState(c, std::move(fds[1]));
     restored_ = false;
     aborted_ = false;

@@ -1,6 +1,7 @@
 #include "agent/fuse/handoff_endpoint.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -270,6 +271,51 @@ TEST_F(HandoffEndpointTest, AServerThatDiesWithoutAWordIsReportedToo) {
   s.Reset();  // killed
   ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
   EXPECT_NE(gone.get().message().find("closed its connection"), std::string::npos);
+}
+
+// A relayed launcher deposits its relay state (a memfd) with its ok reply; when it dies, the next
+// server is offered the live connection with that memfd as a second fd (the very same file). A
+// server that deposits none (it keeps no state) or something that is not a memfd leaves none for
+// its successor.
+TEST_F(HandoffEndpointTest, ARelayStateIsKeptAndOfferedToTheNextServer) {
+  StartEndpoint();
+  // Each server in turn: what it was offered, then it says ok with `deposit` and dies.
+  auto serve = [&](int deposit, bool* live, bool* had_state, std::string* state_text) {
+    auto gone = NextGone();
+    UniqueFd s = Connect(SockPath());
+    auto m = ReceiveHandoffMessage(s.get());
+    ASSERT_TRUE(m.ok() && m->fd.valid());
+    auto config = DecodeMountConfig(m->payload);
+    ASSERT_TRUE(config.ok()) << config.status();
+    *live = config->live;
+    *had_state = config->relay_state;
+    EXPECT_EQ(config->relay_state, m->fd2.valid()) << "the flag says whether the fd is there";
+    char buf[16] = {};
+    if (m->fd2.valid() && pread(m->fd2.get(), buf, sizeof(buf) - 1, 0) > 0) *state_text = buf;
+    HandoffReply ok{.ok = true};
+    ok.relay_state = deposit >= 0;
+    ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply(ok), deposit).ok());
+    s.Reset();  // killed
+    ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  };
+  UniqueFd memfd(memfd_create("fkserve-relay-state", MFD_CLOEXEC));
+  ASSERT_EQ(write(memfd.get(), "journal", 7), 7);
+  bool live = false, had = false;
+  std::string text;
+  serve(memfd.get(), &live, &had, &text);
+  EXPECT_FALSE(live);
+  EXPECT_FALSE(had) << "a new connection has no state";
+  memfd.Reset();
+  serve(-1, &live, &had, &text);
+  EXPECT_TRUE(live);
+  EXPECT_TRUE(had);
+  EXPECT_EQ(text, "journal") << "the state the dead launcher wrote";
+  text.clear();
+  serve(pipe_w_.get(), &live, &had, &text);
+  EXPECT_TRUE(live);
+  EXPECT_FALSE(had) << "its predecessor kept no state";
+  serve(-1, &live, &had, &text);
+  EXPECT_FALSE(had) << "a pipe is not kept as a relay state";
 }
 
 TEST_F(HandoffEndpointTest, DirectoryPathsLongerThanSunPathWork) {
