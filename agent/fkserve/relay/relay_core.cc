@@ -637,8 +637,9 @@ void RelayCore::FlushJournal() {
 
 void RelayCore::WriteState() {
   if (init_done_) journal_->Init(init_request_, max_write_);
-  SavedState s = SaveForTest();
-  for (const auto& [kid, n] : s.nodes) journal_->Node(kid, n);
+  nodes_.ForEach([&](const Node& n) {
+    if (n.kid != kRootId) journal_->Node(n.kid, SavedNode{n.parent, std::string(n.name()), n.kernel_lookups});
+  });
   for (const auto& [kfh, h] : handles_) JournalHandle(kfh, h);
 }
 
