@@ -260,40 +260,60 @@ INSTANTIATE_TEST_SUITE_P(Programs, ProgramsE2ETest, ::testing::ValuesIn(kProgram
 // each fsynced) while the program is killed (kill -9 of every process) again and again: no
 // operation fails, and what was written reads back byte for byte. FUSEKEEPER_RELAY_KILLS kills
 // (default 20; the README's figures are from 100).
-class RelayWorkloadTest : public ProgramsE2ETest {};
+class RelayWorkloadTest : public ProgramsE2ETest {
+ protected:
+  // Prepare, with the workload's files in the program's source (a program that starts empty gets
+  // them through the volume, in StartWorkload).
+  std::string PrepareWorkload(const Program& prog, std::vector<std::string>* launch) {
+    return Prepare(prog, launch, [&](const std::string& src) {
+      if (!prog.starts_empty) PodWorkload::CreateFiles(src);
+    });
+  }
+  // The agent, the volume published for `pod`, its launcher, and the app working on it from a pod
+  // view (its first steps done). Callers check HasFatalFailure().
+  void StartWorkload(const Program& prog, const std::vector<std::string>& launch, const std::string& pod) {
+    StartAgent();
+    target_ = Pod(pod, "prog");
+    ASSERT_RPC_OK(PublishInline("prog", pod, target_));
+    launcher_ = StartServer(PodSocket(pod), launch);
+    if (prog.starts_empty) {
+      Subprocess maker({"/bin/true"}, {}, [&] {
+        if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
+          _exit(99);
+        }
+        PodWorkload::CreateFiles(target_);
+      });
+      ASSERT_EQ(maker.Wait(std::chrono::milliseconds(60000)).value_or(-1), 0) << launcher_->Stderr();
+    }
+    const std::string view_dir = root_.path() + "/views/" + pod;
+    fs::create_directories(view_dir);
+    // rclone streams a file open for writing to a partial object that exists only once closed: a
+    // file held open for writing cannot outlive the rclone that had it (rclone's semantics, in the
+    // README's limits); its workload only reads.
+    const bool writes = prog.writable && std::string(prog.name) != "rclone-mount2";
+    app_ = std::make_unique<PodWorkload>(target_, view_dir, writes, kServerUid);
+    ASSERT_TRUE(app_->WaitForSteps(3)) << prog.name << ": " << absl::StrJoin(app_->errors(), "; ") << "\n"
+                                       << launcher_->Stderr();
+  }
+
+  std::string target_;
+  Subprocess* launcher_ = nullptr;
+  std::unique_ptr<PodWorkload> app_;
+};
 
 TEST_P(RelayWorkloadTest, OpenFilesSurviveRepeatedKills) {
   const Program& prog = GetParam();
   std::vector<std::string> launch = {"--restart_window_ms=0"};  // the kills here are not a crash loop
-  const std::string skip = Prepare(prog, &launch, [&](const std::string& src) {
-    if (!prog.starts_empty) PodWorkload::CreateFiles(src);
-  });
+  const std::string skip = PrepareWorkload(prog, &launch);
   if (!skip.empty()) GTEST_SKIP() << skip;
   if (HasFatalFailure()) return;
   const char* env = getenv("FUSEKEEPER_RELAY_KILLS");
   const int kills = env != nullptr ? atoi(env) : 20;
-  StartAgent();
-  const std::string target = Pod("pod-w", "prog");
-  ASSERT_RPC_OK(PublishInline("prog", "pod-w", target));
-  Subprocess* launcher = StartServer(PodSocket("pod-w"), launch);
-  if (prog.starts_empty) {
-    Subprocess maker({"/bin/true"}, {}, [&] {
-      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
-        _exit(99);
-      }
-      PodWorkload::CreateFiles(target);
-    });
-    ASSERT_EQ(maker.Wait(std::chrono::milliseconds(60000)).value_or(-1), 0) << launcher->Stderr();
-  }
-  const std::string view_dir = root_.path() + "/views/workload";
-  fs::create_directories(view_dir);
-  // rclone streams a file open for writing to a partial object that exists only once closed: a
-  // file held open for writing cannot outlive the rclone that had it (rclone's semantics, in the
-  // README's limits); its workload only reads.
-  const bool writes = prog.writable && std::string(prog.name) != "rclone-mount2";
-  PodWorkload app(target, view_dir, writes, kServerUid);
-  ASSERT_TRUE(app.WaitForSteps(3)) << prog.name << ": " << absl::StrJoin(app.errors(), "; ") << "\n"
-                                   << launcher->Stderr();
+  StartWorkload(prog, launch, "pod-w");
+  if (HasFatalFailure()) return;
+  Subprocess* launcher = launcher_;
+  PodWorkload& app = *app_;
+  const std::string& target = target_;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 1; i <= kills; ++i) {
     ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, i)) << prog.name << " kill " << i << ": " << launcher->Stderr();
@@ -336,7 +356,7 @@ TEST_F(RelayWorkloadTest, TheAgentKilledWhileTheProgramRestartsCostsNoError) {
   }
   ASSERT_NE(bindfs, nullptr);
   std::vector<std::string> launch = {"--restart_window_ms=0"};
-  const std::string skip = Prepare(*bindfs, &launch, [](const std::string& src) { PodWorkload::CreateFiles(src); });
+  const std::string skip = PrepareWorkload(*bindfs, &launch);
   if (!skip.empty()) GTEST_SKIP() << skip;
   const std::vector<std::string> metrics_flags = {"--metrics_address=127.0.0.1:0"};
   StartAgent(metrics_flags);
@@ -403,9 +423,7 @@ TEST_F(RelayWorkloadTest, TheAgentKilledWhileTheProgramRestartsCostsNoError) {
 TEST_P(RelayWorkloadTest, TheLauncherKilledAndStartedAgainCostsNoError) {
   const Program& prog = GetParam();
   std::vector<std::string> launch = {"--restart_window_ms=0"};
-  const std::string skip = Prepare(prog, &launch, [&](const std::string& src) {
-    if (!prog.starts_empty) PodWorkload::CreateFiles(src);
-  });
+  const std::string skip = PrepareWorkload(prog, &launch);
   if (!skip.empty()) GTEST_SKIP() << skip;
   if (HasFatalFailure()) return;
   // Open problem: fuse-overlayfs saw 1-2 failed write+fsync (EIO) per 100 launcher kills, with no
@@ -416,26 +434,12 @@ TEST_P(RelayWorkloadTest, TheLauncherKilledAndStartedAgainCostsNoError) {
   }
   const char* env = getenv("FUSEKEEPER_LAUNCHER_KILLS");
   const int kills = env != nullptr ? atoi(env) : 5;
-  StartAgent();
-  const std::string target = Pod("pod-l", "prog");
-  ASSERT_RPC_OK(PublishInline("prog", "pod-l", target));
+  StartWorkload(prog, launch, "pod-l");
+  if (HasFatalFailure()) return;
+  Subprocess* launcher = launcher_;
+  PodWorkload& app = *app_;
+  const std::string& target = target_;
   const std::string socket = PodSocket("pod-l");
-  Subprocess* launcher = StartServer(socket, launch);
-  if (prog.starts_empty) {
-    Subprocess maker({"/bin/true"}, {}, [&] {
-      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
-        _exit(99);
-      }
-      PodWorkload::CreateFiles(target);
-    });
-    ASSERT_EQ(maker.Wait(std::chrono::milliseconds(60000)).value_or(-1), 0) << launcher->Stderr();
-  }
-  const std::string view_dir = root_.path() + "/views/launcher";
-  fs::create_directories(view_dir);
-  const bool writes = prog.writable && std::string(prog.name) != "rclone-mount2";
-  PodWorkload app(target, view_dir, writes, kServerUid);
-  ASSERT_TRUE(app.WaitForSteps(3)) << prog.name << ": " << absl::StrJoin(app.errors(), "; ") << "\n"
-                                   << launcher->Stderr();
   const std::string gone = "the FUSE server closed its connection";
   std::string dead_launchers;  // what every launcher before the current one said
   for (int i = 1; i <= kills; ++i) {

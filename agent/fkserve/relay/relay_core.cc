@@ -35,6 +35,9 @@ std::array<long, 2> HandleOffsets(uint32_t opcode, const std::string& msg) {
                                          : -1};
 }
 
+// A node as the journal keeps it.
+SavedNode SavedNodeOf(const Node& n) { return SavedNode{n.parent, std::string(n.name()), n.kernel_lookups}; }
+
 bool UsesHeaderNode(uint32_t opcode) {
   return opcode != FUSE_INIT && opcode != FUSE_INTERRUPT && opcode != FUSE_BATCH_FORGET && opcode != FUSE_DESTROY;
 }
@@ -600,15 +603,13 @@ void RelayCore::SetJournal(StateJournal* journal) {
   nodes_.TrackChanges();
 }
 
+SavedHandle RelayCore::SavedHandleOf(const Handle& h) {
+  return SavedHandle{h.kid, h.flags, h.dir, h.maybe_lost, h.unsynced_bytes, {}};
+}
+
 void RelayCore::JournalHandle(uint64_t kfh, const Handle& h) {
   if (journal_ == nullptr) return;
-  SavedHandle s;
-  s.kid = h.kid;
-  s.flags = h.flags;
-  s.dir = h.dir;
-  s.maybe_lost = h.maybe_lost;
-  s.unsynced_bytes = h.unsynced_bytes;
-  journal_->Handle(kfh, s);
+  journal_->Handle(kfh, SavedHandleOf(h));  // its writes follow
   for (const std::string& w : h.unsynced) journal_->Write(kfh, w);
 }
 
@@ -619,7 +620,7 @@ void RelayCore::FlushJournal() {
     if (n == nullptr) {
       journal_->NodeGone(kid);
     } else {
-      journal_->Node(kid, SavedNode{n->parent, std::string(n->name()), n->kernel_lookups});
+      journal_->Node(kid, SavedNodeOf(*n));
     }
   }
   bool ok = journal_->Flush();
@@ -638,7 +639,7 @@ void RelayCore::FlushJournal() {
 void RelayCore::WriteState() {
   if (init_done_) journal_->Init(init_request_, max_write_);
   nodes_.ForEach([&](const Node& n) {
-    if (n.kid != kRootId) journal_->Node(n.kid, SavedNode{n.parent, std::string(n.name()), n.kernel_lookups});
+    if (n.kid != kRootId) journal_->Node(n.kid, SavedNodeOf(n));
   });
   for (const auto& [kfh, h] : handles_) JournalHandle(kfh, h);
 }
@@ -650,10 +651,11 @@ SavedState RelayCore::SaveForTest() const {
     s.max_write = max_write_;
   }
   nodes_.ForEach([&](const Node& n) {
-    if (n.kid != kRootId) s.nodes[n.kid] = SavedNode{n.parent, std::string(n.name()), n.kernel_lookups};
+    if (n.kid != kRootId) s.nodes[n.kid] = SavedNodeOf(n);
   });
   for (const auto& [kfh, h] : handles_) {
-    s.handles[kfh] = SavedHandle{h.kid, h.flags, h.dir, h.maybe_lost, h.unsynced_bytes, h.unsynced};
+    SavedHandle& saved = s.handles[kfh] = SavedHandleOf(h);
+    saved.unsynced = h.unsynced;
   }
   return s;
 }

@@ -175,6 +175,7 @@ class RelayCore {
   void ToKernel(const char* data, size_t len);
   void FlushJournal();
   void JournalHandle(uint64_t kfh, const Handle& h);
+  static SavedHandle SavedHandleOf(const Handle& h);  // without its writes
   void WriteState();  // the whole state, into a compaction
   void Forgets();
   void ForgetInProgram(uint64_t pid, uint64_t count);
