@@ -180,6 +180,11 @@ int main(int argc, char** argv) {
     }
     // `serve` replays the first server's INIT; a relayed `launch` carries on from the relay state
     // the launcher before it deposited with the agent.
+    // Blocking, as libfuse and the launched programs expect it (a relay before us read it
+    // non-blocking; the flag is the open file's).
+    if (const int fl = fcntl(msg->fd.get(), F_GETFL); fl >= 0 && (fl & O_NONBLOCK)) {
+      fcntl(msg->fd.get(), F_SETFL, fl & ~O_NONBLOCK);
+    }
     const bool can_adopt = (mode == "serve" && !config->init.empty()) ||
                            (mode == "launch" && !FLAGS_direct && config->relay_state && msg->fd2.valid());
     if (!config->live || can_adopt) break;

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -272,6 +273,12 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   c->out_msg.msg_iov = &c->out_iov;
   c->out_msg.msg_iovlen = 1;
   if (!refuse) {
+    // A relay (fkserve launch) reads the connection non-blocking; the flag belongs to the open
+    // file, which this dup shares. Whoever gets it next expects a blocking /dev/fuse, as libfuse
+    // does (a non-blocking read would end its loop).
+    if (const int fl = fcntl(fuse_fd_.get(), F_GETFL); fl >= 0 && (fl & O_NONBLOCK)) {
+      fcntl(fuse_fd_.get(), F_SETFL, fl & ~O_NONBLOCK);
+    }
     c->out_msg.msg_control = c->out_control;
     const int fds[2] = {fuse_fd_.get(), relay_state_.get()};
     const size_t count = c->live && relay_state_.valid() ? 2 : 1;

@@ -276,7 +276,7 @@ TEST_F(HandoffEndpointTest, AServerThatDiesWithoutAWordIsReportedToo) {
 // A relayed launcher deposits its relay state (a memfd) with its ok reply; when it dies, the next
 // server is offered the live connection with that memfd as a second fd (the very same file). A
 // server that deposits none (it keeps no state) or something that is not a memfd leaves none for
-// its successor.
+// its successor. Each gets the connection blocking, whatever the one before did to it.
 TEST_F(HandoffEndpointTest, ARelayStateIsKeptAndOfferedToTheNextServer) {
   StartEndpoint();
   // Each server in turn: what it was offered, then it says ok with `deposit` and dies.
@@ -290,6 +290,10 @@ TEST_F(HandoffEndpointTest, ARelayStateIsKeptAndOfferedToTheNextServer) {
     *live = config->live;
     *had_state = config->relay_state;
     EXPECT_EQ(config->relay_state, m->fd2.valid()) << "the flag says whether the fd is there";
+    // A relay reads it non-blocking (the open file's flag, shared with the agent's dup): whoever
+    // gets it next gets it blocking again.
+    EXPECT_EQ(fcntl(m->fd.get(), F_GETFL) & O_NONBLOCK, 0) << "handed over non-blocking";
+    fcntl(m->fd.get(), F_SETFL, fcntl(m->fd.get(), F_GETFL) | O_NONBLOCK);
     char buf[16] = {};
     if (m->fd2.valid() && pread(m->fd2.get(), buf, sizeof(buf) - 1, 0) > 0) *state_text = buf;
     HandoffReply ok{.ok = true};

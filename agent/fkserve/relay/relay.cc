@@ -49,14 +49,16 @@ struct Relay::LoopState final : RelayOutput {
   size_t max_message = 0;
   std::unique_ptr<StateJournal> journal;  // declared before the core, which writes to it
   std::unique_ptr<RelayCore> core;
-  // Several reads of the kernel's connection at once: readahead and a multi-threaded program
-  // have many requests in flight, and one read at a time would serialise them.
-  static constexpr int kKernelReads = 4;
-  struct KernelRead {
-    Completion c;
-    std::vector<char> buf;
-  };
-  KernelRead kreads[kKernelReads];
+  // The kernel's connection is non-blocking (O_NONBLOCK, set at Start) and drained with read(2)
+  // whenever a multishot POLL says it is readable. Not io_uring READs: io_uring (6.10+) tries a
+  // READ of a pollable file without FMODE_NOWAIT inline, in this thread, when poll says it is
+  // readable, and /dev/fuse's read ignores IOCB_NOWAIT; when the request is gone by then (taken
+  // by another read, or withdrawn by a killed caller) that read sleeps here, and no answer of
+  // the program's reaches the kernel any more (seen: relay_bench stopped with this thread in
+  // fuse_dev_do_read).
+  Completion kpoll;
+  bool kpoll_armed = false;
+  std::vector<char> kbuf;
   std::vector<char> pbuf;
   int kernel_errors = 0;
   ProgramConn* conn = nullptr;
@@ -102,33 +104,44 @@ struct Relay::LoopState final : RelayOutput {
     ArmProgramOut(conn);
   }
 
-  void ArmKernelRead(KernelRead* k) {
-    k->c.callback = [this, k](int32_t res, bool) { OnKernelRead(k, res); };
-    loop->Read(&k->c, kernel.get(), k->buf.data(), static_cast<unsigned>(k->buf.size()), 0);
+  void ArmKernelPoll() {
+    kpoll.callback = [this](int32_t res, bool more) {
+      if (!more) kpoll_armed = false;
+      if (res == -ECANCELED || ended) return;
+      DrainKernel();
+      if (!more && !ended) ArmKernelPoll();
+    };
+    kpoll_armed = true;
+    loop->PollAdd(&kpoll, kernel.get(), POLLIN, /*multishot=*/true);
   }
 
-  void OnKernelRead(KernelRead* k, int32_t res) {
-    if (res == -ECANCELED || ended) return;
-    if (res == -ENODEV) {
-      ended = true;
-      Log("relay: the kernel's connection ended (unmounted or aborted)");
-      if (conn != nullptr) Retire(conn);
-      if (cb.connection_ended) cb.connection_ended();
-      return;
-    }
-    if (res > 0) {
-      kernel_errors = 0;
-      core->FromKernel(k->buf.data(), static_cast<size_t>(res));
-      AfterEvent();
-    } else if (res != -EINTR && res != -EAGAIN && res != -ENOENT) {
-      Log(absl::StrCat("relay: reading the kernel's connection: ", strerror(-res)));
-      if (++kernel_errors > 100) {
+  // Every request the kernel has for us now (until EAGAIN: the poll fires again only on news).
+  void DrainKernel() {
+    while (!ended) {
+      const ssize_t n = read(kernel.get(), kbuf.data(), kbuf.size());
+      if (n > 0) {
+        kernel_errors = 0;
+        core->FromKernel(kbuf.data(), static_cast<size_t>(n));
+        AfterEvent();
+        continue;
+      }
+      const int err = n == 0 ? EIO : errno;
+      if (err == EAGAIN) return;
+      if (err == EINTR || err == ENOENT) continue;  // ENOENT: the request was withdrawn
+      if (err == ENODEV) {
         ended = true;
+        Log("relay: the kernel's connection ended (unmounted or aborted)");
+        if (conn != nullptr) Retire(conn);
         if (cb.connection_ended) cb.connection_ended();
         return;
       }
+      Log(absl::StrCat("relay: reading the kernel's connection: ", strerror(err)));
+      if (++kernel_errors > 100) {
+        ended = true;
+        if (cb.connection_ended) cb.connection_ended();
+      }
+      return;
     }
-    ArmKernelRead(k);
   }
 
   void ArmProgramPoll(ProgramConn* c) {
@@ -288,10 +301,14 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   }
   // The kernel checks that a read can take its largest WRITE: header, fuse_write_in, max_write.
   st->pbuf.resize(r->max_message_);
-  for (auto& k : st->kreads) {
-    k.buf.resize(r->max_message_);
-    st->ArmKernelRead(&k);
+  st->kbuf.resize(r->max_message_);
+  // Our reads never sleep (see kpoll). The flag is the open file's, which the agent's dup and
+  // whoever is handed the connection next share: the agent clears it before it hands it on.
+  const int fl = fcntl(st->kernel.get(), F_GETFL);
+  if (fl < 0 || fcntl(st->kernel.get(), F_SETFL, fl | O_NONBLOCK) != 0) {
+    return absl::InternalError(absl::StrCat("making the connection non-blocking: ", strerror(errno)));
   }
+  st->ArmKernelPoll();
   r->state_ = std::move(st);
   r->thread_ = std::thread([raw = r->state_.get()] {
     // Stop signals are the launcher's (its main thread forwards them to the program).
