@@ -426,12 +426,6 @@ TEST_P(RelayWorkloadTest, TheLauncherKilledAndStartedAgainCostsNoError) {
   const std::string skip = PrepareWorkload(prog, &launch);
   if (!skip.empty()) GTEST_SKIP() << skip;
   if (HasFatalFailure()) return;
-  // Open problem: fuse-overlayfs saw 1-2 failed write+fsync (EIO) per 100 launcher kills, with no
-  // request failed by the relay (README, limits); 0 in 100 for every other program here.
-  if (std::string(prog.name) == "fuse-overlayfs" && getenv("FUSEKEEPER_LAUNCHER_KILL_ALL") == nullptr) {
-    GTEST_SKIP() << "fuse-overlayfs: 1-2 EIO on write+fsync per 100 launcher kills, cause not found yet (not a "
-                    "relay failure); FUSEKEEPER_LAUNCHER_KILL_ALL=1 runs it";
-  }
   const char* env = getenv("FUSEKEEPER_LAUNCHER_KILLS");
   const int kills = env != nullptr ? atoi(env) : 5;
   StartWorkload(prog, launch, "pod-l");

@@ -1,9 +1,11 @@
 // Relay: RelayCore on an io_uring loop of its own (agent/loop), between the kernel's /dev/fuse
 // connection and the socket of whichever program instance serves it now.
 //
-//  - The kernel's connection is read on the ring (one READ at a time, into a buffer of the
-//    largest message); replies and notifications are written to it directly (a write to
-//    /dev/fuse never blocks: the kernel takes the reply or refuses it at once).
+//  - The kernel's connection is made non-blocking and drained with read(2) (into a buffer of the
+//    largest message) whenever a multishot POLL on the ring says it is readable: an io_uring READ
+//    of /dev/fuse may run inline and sleep in the loop thread (relay.cc). Replies and
+//    notifications are written to it directly (a write to /dev/fuse never blocks: the kernel
+//    takes the reply or refuses it at once).
 //  - The program's end is a SOCK_SEQPACKET socket (one FUSE message per send, as the device
 //    has): received with a multishot POLL and non-blocking recv; sent with non-blocking sendmsg,
 //    queued (copied) while the program is not reading, flushed on POLLOUT.
