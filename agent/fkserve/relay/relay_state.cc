@@ -17,7 +17,12 @@ namespace {
 
 constexpr char kMagic[8] = {'F', 'K', 'R', 'E', 'L', 'A', 'Y', '1'};
 constexpr uint64_t kPage = 4096;
-constexpr size_t kRecordHeader = 8;  // u32 length, u32 check
+constexpr size_t kRecordHeader = 8;   // u32 length, u32 check
+constexpr size_t kRecordTrailer = 4;  // u32 check again: the record's last bytes
+// The check covers a record's offset, type, length and the first bytes of its payload; the
+// trailer (written last: a write to a memfd fills it in order) says the whole record is there.
+// Checking every byte of a kept 1 MiB WRITE cost more than the relay's copies of it.
+constexpr size_t kCheckedPayload = 256;
 // A journal larger than this is not one of ours (the relay's bounds keep it far below).
 constexpr uint64_t kMaxJournalBytes = 1ULL << 30;
 constexpr size_t kMaxName = 1024;
@@ -34,9 +39,12 @@ uint32_t Fnv(uint32_t h, absl::string_view bytes) {
 }
 
 uint32_t Check(uint64_t offset, char type, absl::string_view a, absl::string_view b) {
+  const uint32_t len = static_cast<uint32_t>(1 + a.size() + b.size());
   uint32_t h = Fnv(2166136261u, absl::string_view(reinterpret_cast<const char*>(&offset), sizeof(offset)));
+  h = Fnv(h, absl::string_view(reinterpret_cast<const char*>(&len), sizeof(len)));
   h = Fnv(h, absl::string_view(&type, 1));
-  return Fnv(Fnv(h, a), b);
+  h = Fnv(h, a.substr(0, kCheckedPayload));
+  return Fnv(h, b.substr(0, kCheckedPayload - std::min(a.size(), kCheckedPayload)));
 }
 
 template <typename T>
@@ -99,14 +107,17 @@ absl::StatusOr<SavedState> StateJournal::Parse(absl::string_view file, uint64_t*
   if (start < kPage || start % kPage != 0 || start > kMaxJournalBytes) return bad(absl::StrCat("log start ", start));
   SavedState s;
   uint64_t off = start;
-  while (off + kRecordHeader <= file.size()) {
+  while (off + kRecordHeader + kRecordTrailer <= file.size()) {
     uint32_t len, check;
     memcpy(&len, file.data() + off, 4);
     memcpy(&check, file.data() + off + 4, 4);
-    if (len == 0 || len > file.size() - off - kRecordHeader) break;  // the end, or a torn record
+    // The end, or a torn record (cut short, or whose trailer never got written).
+    if (len == 0 || len > file.size() - off - kRecordHeader - kRecordTrailer) break;
     const char type = file[off + kRecordHeader];
     const absl::string_view payload = file.substr(off + kRecordHeader + 1, len - 1);
-    if (Check(off, type, payload, {}) != check) break;  // torn
+    uint32_t trailer;
+    memcpy(&trailer, file.data() + off + kRecordHeader + len, 4);
+    if (Check(off, type, payload, {}) != check || trailer != check) break;
     Reader r(payload);
     const std::string at = absl::StrCat(" at offset ", off);
     switch (type) {
@@ -161,7 +172,7 @@ absl::StatusOr<SavedState> StateJournal::Parse(absl::string_view file, uint64_t*
       default:
         return bad(absl::StrCat("unknown record type ", static_cast<int>(type), at));
     }
-    off += kRecordHeader + len;
+    off += kRecordHeader + len + kRecordTrailer;
   }
   *end = std::max<uint64_t>(off, start);
   return s;
@@ -201,11 +212,13 @@ absl::StatusOr<std::unique_ptr<StateJournal>> StateJournal::Open(UniqueFd fd, Sa
 void StateJournal::Record(char type, absl::string_view a, absl::string_view b) {
   const uint64_t offset = end_;
   Put<uint32_t>(&pending_, static_cast<uint32_t>(1 + a.size() + b.size()));
-  Put<uint32_t>(&pending_, Check(offset, type, a, b));
+  const uint32_t check = Check(offset, type, a, b);
+  Put<uint32_t>(&pending_, check);
   pending_.push_back(type);
   pending_.append(a.data(), a.size());
   pending_.append(b.data(), b.size());
-  end_ += kRecordHeader + 1 + a.size() + b.size();
+  Put<uint32_t>(&pending_, check);
+  end_ += kRecordHeader + 1 + a.size() + b.size() + kRecordTrailer;
 }
 
 void StateJournal::Init(absl::string_view init_request, uint32_t max_write) {

@@ -15,8 +15,9 @@
 // flight are not: the kernel resends them.
 //
 // Layout: a header page at offset 0 ("FKRELAY1", u64 start of the log), then records from
-// `start`: u32 length (type + payload), u32 check (FNV-1a of offset, type and payload), u8
-// type, payload. The log ends at the first record of length 0 or with a bad check (a launcher
+// `start`: u32 length (type + payload), u32 check (FNV-1a of offset, length, type and the first
+// 256 bytes of the payload), u8 type, payload, u32 check again (written last: it says the record
+// is whole). The log ends at the first record of length 0 or with a bad check (a launcher
 // killed in the middle of a write leaves a torn record: it is cut off when the log is opened).
 // Records are state, not deltas (a node's whole state each time), so the last one wins.
 // Compaction writes the whole state after the end, then moves `start` (one small write), then
