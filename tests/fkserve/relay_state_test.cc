@@ -85,6 +85,33 @@ TEST(StateJournalTest, ATornRecordIsCutOffAndWrittenOver) {
   }
 }
 
+// A kept WRITE of 1 MiB (written straight from the message, after what was buffered): read back
+// whole, and a journal cut anywhere inside it reads back without it, the records before it kept.
+TEST(StateJournalTest, ALargeKeptWriteIsReadBackWholeOrNotAtAll) {
+  auto j = *StateJournal::Create();
+  j->Node(5, {1, "f", 1});
+  j->Handle(1, {5, 1, false, false, 0, {}});
+  const std::string big = WriteRequest(std::string(1 << 20, 'd'));
+  j->Write(1, big);
+  j->Node(6, {1, "after", 1});
+  ASSERT_TRUE(j->Flush());
+  const SavedState s = Reopen(*j);
+  ASSERT_EQ(s.handles.at(1).unsynced.size(), 1u);
+  EXPECT_EQ(s.handles.at(1).unsynced[0], big);
+  EXPECT_EQ(s.nodes.count(6), 1u) << "what follows it";
+  const std::string file = FileOf(j->fd());
+  const size_t before_big = file.find(std::string(80, 'h')) - 8 - 1 - 8;  // its header and kfh
+  for (size_t cut : {before_big + 20, before_big + 4096, before_big + (1u << 19), file.size() - 60}) {
+    auto fresh = *StateJournal::Create();
+    ASSERT_EQ(pwrite(fresh->fd(), file.data(), cut, 0), static_cast<ssize_t>(cut));
+    const SavedState t = Reopen(*fresh);
+    EXPECT_EQ(t.nodes.count(5), 1u) << "cut at " << cut;
+    ASSERT_EQ(t.handles.count(1), 1u);
+    EXPECT_TRUE(t.handles.at(1).unsynced.empty()) << "cut at " << cut;
+    EXPECT_EQ(t.nodes.count(6), 0u);
+  }
+}
+
 // A compaction cut short (the launcher killed before the new log's start was written) leaves
 // the old log whole; a finished one frees the old log's memory.
 TEST(StateJournalTest, ACompactionCutShortLeavesTheOldLog) {

@@ -4,8 +4,10 @@
 #include <linux/falloc.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -23,6 +25,8 @@ constexpr size_t kRecordTrailer = 4;  // u32 check again: the record's last byte
 // trailer (written last: a write to a memfd fills it in order) says the whole record is there.
 // Checking every byte of a kept 1 MiB WRITE cost more than the relay's copies of it.
 constexpr size_t kCheckedPayload = 256;
+// Payloads larger than this (kept WRITEs) are written straight from the caller's bytes.
+constexpr size_t kDirectPayload = 4096;
 // A journal larger than this is not one of ours (the relay's bounds keep it far below).
 constexpr uint64_t kMaxJournalBytes = 1ULL << 30;
 constexpr size_t kMaxName = 1024;
@@ -68,6 +72,31 @@ class Reader {
  private:
   absl::string_view p_;
 };
+
+// pwritev until all of iov is written.
+bool PwritevAll(int fd, iovec* iov, int count, uint64_t offset) {
+  while (count > 0) {
+    const ssize_t n = pwritev(fd, iov, count, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    offset += static_cast<uint64_t>(n);
+    for (size_t left = static_cast<size_t>(n); count > 0 && left > 0;) {
+      const size_t take = std::min(left, iov->iov_len);
+      iov->iov_base = static_cast<char*>(iov->iov_base) + take;
+      iov->iov_len -= take;
+      left -= take;
+      if (iov->iov_len == 0) {
+        ++iov;
+        --count;
+      }
+    }
+    while (count > 0 && iov->iov_len == 0) {
+      ++iov;
+      --count;
+    }
+  }
+  return true;
+}
 
 bool PwriteAll(int fd, const char* data, size_t len, uint64_t offset) {
   while (len > 0) {
@@ -215,6 +244,22 @@ void StateJournal::Record(char type, absl::string_view a, absl::string_view b) {
   const uint32_t check = Check(offset, type, a, b);
   Put<uint32_t>(&pending_, check);
   pending_.push_back(type);
+  if (a.size() + b.size() > kDirectPayload) {
+    // A kept WRITE: written from where it is, after what is pending, not copied into pending_.
+    const size_t head = pending_.size() - (kRecordHeader + 1);
+    std::string header = pending_.substr(head);  // the record's header, written with it
+    pending_.resize(head);
+    end_ = offset;  // what Flush writes ends where this record starts
+    if (!Flush()) failed_ = true;
+    const uint32_t trailer = check;
+    iovec iov[4] = {{header.data(), header.size()},
+                    {const_cast<char*>(a.data()), a.size()},
+                    {const_cast<char*>(b.data()), b.size()},
+                    {const_cast<uint32_t*>(&trailer), sizeof(trailer)}};
+    if (!PwritevAll(fd_.get(), iov, 4, offset)) failed_ = true;
+    end_ = pending_at_ = offset + kRecordHeader + 1 + a.size() + b.size() + kRecordTrailer;
+    return;
+  }
   pending_.append(a.data(), a.size());
   pending_.append(b.data(), b.size());
   Put<uint32_t>(&pending_, check);
@@ -255,8 +300,10 @@ void StateJournal::Write(uint64_t kfh, absl::string_view write_request) {
 }
 
 bool StateJournal::Flush() {
-  if (pending_.empty()) return true;
-  const bool ok = PwriteAll(fd_.get(), pending_.data(), pending_.size(), pending_at_);
+  bool ok = !failed_;
+  failed_ = false;
+  if (pending_.empty()) return ok;
+  ok = PwriteAll(fd_.get(), pending_.data(), pending_.size(), pending_at_) && ok;
   pending_.clear();
   pending_at_ = end_;
   return ok;

@@ -74,7 +74,8 @@ class StateJournal {
 
   int fd() const { return fd_.get(); }
 
-  // Records, buffered until Flush.
+  // Records, buffered until Flush (a kept WRITE's, over 4 KiB, is written at once, after what
+  // is buffered).
   void Init(absl::string_view init_request, uint32_t max_write);
   void Node(uint64_t kid, const SavedNode& node);
   void NodeGone(uint64_t kid);
@@ -106,6 +107,7 @@ class StateJournal {
   uint64_t pending_at_ = 0;  // the offset pending_ is written at
   uint64_t compacted_bytes_ = 0;
   uint64_t compaction_start_ = 0;  // while compacting: the new log's start
+  bool failed_ = false;            // a record written directly failed: the next Flush says so
   bool compacting_ = false;
 };
 
