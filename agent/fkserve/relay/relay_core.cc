@@ -624,7 +624,9 @@ void RelayCore::FlushJournal() {
     }
   }
   bool ok = journal_->Flush();
-  if (ok && journal_->WantsCompaction()) {
+  // About what a compaction writes: each node and handle record, and the kept writes.
+  const uint64_t live = unsynced_total_ + 64 * (nodes_.size() + handles_.size()) + init_request_.size();
+  if (ok && journal_->WantsCompaction(live)) {
     journal_->BeginCompaction();
     WriteState();
     ok = journal_->EndCompaction();

@@ -233,7 +233,6 @@ absl::StatusOr<std::unique_ptr<StateJournal>> StateJournal::Open(UniqueFd fd, Sa
   std::unique_ptr<StateJournal> j(new StateJournal(std::move(fd)));
   j->start_ = start;
   j->end_ = j->pending_at_ = end;
-  j->compacted_bytes_ = end - start;
   *state = std::move(*parsed);
   return j;
 }
@@ -309,8 +308,8 @@ bool StateJournal::Flush() {
   return ok;
 }
 
-bool StateJournal::WantsCompaction() const {
-  return !compacting_ && log_bytes() > 2 * compacted_bytes_ + (1u << 20);
+bool StateJournal::WantsCompaction(uint64_t live_bytes) const {
+  return !compacting_ && log_bytes() > 2 * live_bytes + (1u << 20);
 }
 
 void StateJournal::BeginCompaction() {
@@ -329,7 +328,6 @@ bool StateJournal::EndCompaction() {
   fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(old),
             static_cast<off_t>(compaction_start_ - old));
   start_ = compaction_start_;
-  compacted_bytes_ = end_ - start_;
   return true;
 }
 

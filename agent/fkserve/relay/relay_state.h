@@ -87,8 +87,9 @@ class StateJournal {
   // Writes what is buffered. False if the memfd could not take it (the state kept from then on
   // is incomplete: logged once by the caller; the relay goes on).
   bool Flush();
-  // The log has grown past twice its last compacted size (and 1 MiB).
-  bool WantsCompaction() const;
+  // The log has grown past twice `live_bytes` (about what a compaction would write) and 1 MiB:
+  // mostly dead records. (A log of live kept writes is not worth copying.)
+  bool WantsCompaction(uint64_t live_bytes) const;
   // Compaction: Begin, the whole state as records, End.
   void BeginCompaction();
   bool EndCompaction();
@@ -105,7 +106,6 @@ class StateJournal {
   uint64_t end_ = 0;    // where the next record goes (past what is flushed)
   std::string pending_;
   uint64_t pending_at_ = 0;  // the offset pending_ is written at
-  uint64_t compacted_bytes_ = 0;
   uint64_t compaction_start_ = 0;  // while compacting: the new log's start
   bool failed_ = false;            // a record written directly failed: the next Flush says so
   bool compacting_ = false;
