@@ -248,7 +248,6 @@ void StateJournal::Record(char type, absl::string_view a, absl::string_view b) {
     const size_t head = pending_.size() - (kRecordHeader + 1);
     std::string header = pending_.substr(head);  // the record's header, written with it
     pending_.resize(head);
-    end_ = offset;  // what Flush writes ends where this record starts
     if (!Flush()) failed_ = true;
     const uint32_t trailer = check;
     iovec iov[4] = {{header.data(), header.size()},
