@@ -388,6 +388,22 @@ TEST_F(RelayCoreTest, ANewLauncherCarriesOnFromTheJournal) {
   EXPECT_EQ(core_.stats().restore_failures, 0u);
 }
 
+// A handle released just before the launcher dies is not restored (its release is journaled with
+// the answer, not at the next one): seen on a real kubelet, each sidecar restart carried one more
+// stale handle.
+TEST_F(RelayCoreTest, AHandleReleasedJustBeforeTheLauncherDiesIsNotRestored) {
+  disk_.Make(1, "f", false, "x");
+  Start();
+  Init();
+  const uint64_t kf = Lookup(FUSE_ROOT_ID, "f");
+  const uint64_t fh = Open(kf, O_RDONLY);
+  fuse_release_in rel{};
+  rel.fh = fh;
+  ASSERT_EQ(ErrorOf(Call(FUSE_RELEASE, kf, Bytes(rel))), 0);
+  KillLauncher();
+  EXPECT_EQ(core_.handles(), 0u);
+}
+
 // A MKDIR the dead launcher had passed to a program that did it, but whose answer never reached
 // the kernel: sent again by the kernel, it is looked at first and answered with the directory
 // the dead program made (not EEXIST, which the app would see as an error).

@@ -280,6 +280,7 @@ void RelayCore::Complete(uint64_t unique) {
     const uint64_t kfh = Load<uint64_t>(r.msg.data() + kInHeader);
     requests_.erase(it);
     EraseHandle(kfh);
+    FlushJournal();  // after its answer: no other might follow before the launcher dies
   } else {
     requests_.erase(it);
   }
