@@ -3,7 +3,6 @@
 #include <dirent.h>
 #include <sys/file.h>
 #include <fcntl.h>
-#include <openssl/sha.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,18 +43,6 @@ absl::Status WriteAll(int fd, const std::string& data, const std::string& path) 
 }
 
 }  // namespace
-
-std::string Sha256Hex(const std::string& data) {
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), digest);
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : digest) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
-}
 
 absl::StatusOr<StateStore> StateStore::Open(const std::string& dir, absl::Duration lock_wait) {
   if (dir.empty() || dir[0] != '/') {

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "agent/base/sha256.h"
 #include "agent/base/unique_fd.h"
 #include "proto/state.pb.h"
 
@@ -47,8 +48,5 @@ class StateStore {
   UniqueFd lock_;    // <state_dir>/agent.lock, flock(LOCK_EX) held
   std::shared_ptr<VolumeLocks> locks_;  // SaveTargetBlocking's read-modify-write, per volume
 };
-
-// Lower-case hex SHA-256.
-std::string Sha256Hex(const std::string& data);
 
 }  // namespace fusekeeper

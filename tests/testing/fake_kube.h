@@ -3,7 +3,9 @@
 // back from its log; waits are on its stderr (inotify), never sleeps.
 #pragma once
 
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,7 +29,7 @@ class FakeKube {
         "/usr/bin/python3", RunfilePath("tests/testing/fake_kube.py"), "--cert=" + dir + "/cert.pem",
         "--key=" + dir + "/key.pem", "--log=" + dir + "/requests.jsonl", "--port-file=" + dir + "/port",
         "--pods-file=" + dir + "/pods.json", "--mode-file=" + dir + "/mode", "--pvcs-file=" + dir + "/pvcs.json",
-        "--objects-file=" + dir + "/objects.json"});
+        "--objects-file=" + dir + "/objects.json", "--pod-store-file=" + dir + "/pod-store.json"});
     ok_ = ok_ && server_->WaitForStderr("listening", 1, std::chrono::seconds(20));
     std::ifstream(dir + "/port") >> port_;
   }
@@ -54,6 +56,27 @@ class FakeKube {
     for (const auto& [k, v] : by_path) json += (json.size() > 1 ? "," : "") + ("\"" + k + "\":" + v);
     { std::ofstream(dir_ + "/objects.json.tmp") << json << "}"; }
     std::rename((dir_ + "/objects.json.tmp").c_str(), (dir_ + "/objects.json").c_str());
+  }
+  // The pods the API server double holds (POSTed by the agent), as its JSON object by
+  // "<ns>/<name>"; "{}" before the first.
+  std::string PodStore() const {
+    std::ifstream in(dir_ + "/pod-store.json");
+    std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return s.empty() ? "{}" : s;
+  }
+  // A request to the double from the test itself (as kubectl would make it): "DELETE", path,
+  // body. Returns the HTTP status, or -1.
+  int Call(const std::string& verb, const std::string& path, const std::string& body = "") const {
+    std::vector<std::string> argv = {"/usr/bin/curl", "-sS", "-o", "/dev/null", "-w", "%{stderr}HTTP=%{http_code}\n", "--cacert",
+                                     ca_file(), "-X", verb, url() + path};
+    if (!body.empty()) {
+      argv.insert(argv.end(), {"-H", "Content-Type: application/merge-patch+json", "--data-binary", body});
+    }
+    Subprocess curl(argv);
+    if (curl.Wait(std::chrono::seconds(20)).value_or(-1) != 0) return -1;
+    const std::string err = curl.Stderr();
+    const size_t at = err.rfind("HTTP=");
+    return at == std::string::npos ? -1 : std::atoi(err.c_str() + at + 5);
   }
   // Waits until a request starting with "<VERB> <path prefix>" has arrived.
   bool WaitForRequest(const std::string& verb_and_path) {

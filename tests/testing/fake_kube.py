@@ -9,11 +9,19 @@ Serves:  POST  /api/v1/namespaces/<ns>/events          (201; an existing name: 4
                                                         "<ns>/<name>"; else 404)
          GET   <path>, PATCH <path>                    (any object --objects-file maps <path> to;
                                                         a PATCH answers the object unchanged)
+         POST   /api/v1/namespaces/<ns>/pods           (201 with a uid and phase Pending; an
+                                                        existing name: 409 AlreadyExists)
+         GET    /api/v1/namespaces/<ns>/pods[?labelSelector=a=b,c=d]   (a PodList)
+         GET    /api/v1/namespaces/<ns>/pods/<name>    (404 if absent)
+         DELETE /api/v1/namespaces/<ns>/pods/<name>    (removes it at once; 404 if absent)
+         PATCH  /api/v1/namespaces/<ns>/pods/<name>/status  (merges "status": a test evicts a pod)
+         The pods are also written to --pod-store-file after each change (a JSON object by
+         "<ns>/<name>"), for tests to read.
 Every request is appended to --log as one JSON line {"verb","path","auth","body"}.
 --mode-file, re-read per request, makes it misbehave: "ok", "500", "401", "403", "garbage", "slow".
 The chosen port is written to --port-file once listening.
 """
-import argparse, json, os, ssl, sys, threading
+import argparse, json, os, ssl, sys, threading, uuid, urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 p = argparse.ArgumentParser()
@@ -25,9 +33,29 @@ p.add_argument("--pods-file", default="")
 p.add_argument("--mode-file", default="")
 p.add_argument("--pvcs-file", default="")
 p.add_argument("--objects-file", default="")
+p.add_argument("--pod-store-file", default="")
 args = p.parse_args()
 lock = threading.Lock()
 events = {}
+pods = {}  # "<ns>/<name>" -> pod
+
+
+def save_pods():
+    if not args.pod_store_file:
+        return
+    tmp = args.pod_store_file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(pods, f)
+    os.rename(tmp, args.pod_store_file)
+
+
+def selected(pod, selector):
+    labels = pod.get("metadata", {}).get("labels", {})
+    for term in filter(None, selector.split(",")):
+        k, _, v = term.partition("=")
+        if labels.get(k) != v:
+            return False
+    return True
 
 
 def mode():
@@ -70,6 +98,8 @@ class H(BaseHTTPRequestHandler):
         if m == "garbage":
             return self.reply(200, b"\x00{not json")
         parts = self.path.split("?")[0].strip("/").split("/")
+        if len(parts) >= 5 and parts[:2] == ["api", "v1"] and parts[2] == "namespaces" and parts[4] == "pods":
+            return self.pods(verb, parts, body)
         if verb in ("GET", "PATCH") and args.objects_file:
             try:
                 with open(args.objects_file) as f:
@@ -110,6 +140,49 @@ class H(BaseHTTPRequestHandler):
                     events[parts[5]].update(json.loads(body))
                     return self.reply(200, json.dumps(events[parts[5]]))
         self.reply(404, '{"kind":"Status","code":404}')
+
+    def pods(self, verb, parts, body):
+        ns = parts[3]
+        with lock:
+            if verb == "POST" and len(parts) == 5:
+                pod = json.loads(body)
+                key = ns + "/" + pod["metadata"]["name"]
+                if key in pods:
+                    return self.reply(409, json.dumps({"kind": "Status", "code": 409, "reason": "AlreadyExists",
+                                                       "message": "pods \"%s\" already exists" % pod["metadata"]["name"]}))
+                pod["metadata"]["namespace"] = ns
+                pod["metadata"]["uid"] = str(uuid.uuid4())
+                pod["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+                pod["status"] = {"phase": "Pending"}
+                pods[key] = pod
+                save_pods()
+                return self.reply(201, json.dumps(pod))
+            if verb == "GET" and len(parts) == 5:
+                query = urllib.parse.parse_qs(self.path.partition("?")[2])
+                selector = query.get("labelSelector", [""])[0]
+                items = [p for k, p in sorted(pods.items()) if k.startswith(ns + "/") and selected(p, selector)]
+                return self.reply(200, json.dumps({"kind": "PodList", "apiVersion": "v1", "items": items}))
+            key = ns + "/" + parts[5] if len(parts) >= 6 else ""
+            if verb == "GET" and len(parts) == 6:
+                if key not in pods:
+                    return self.reply(404, '{"kind":"Status","code":404,"reason":"NotFound"}')
+                return self.reply(200, json.dumps(pods[key]))
+            if verb == "DELETE" and len(parts) == 6:
+                if key not in pods:
+                    return self.reply(404, '{"kind":"Status","code":404,"reason":"NotFound"}')
+                pod = pods.pop(key)
+                save_pods()
+                return self.reply(200, json.dumps(pod))
+            if verb == "PATCH" and len(parts) == 7 and parts[6] == "status":
+                if key not in pods:
+                    return self.reply(404, '{"kind":"Status","code":404,"reason":"NotFound"}')
+                pods[key].setdefault("status", {}).update(json.loads(body).get("status", {}))
+                save_pods()
+                return self.reply(200, json.dumps(pods[key]))
+        self.reply(405, '{"kind":"Status","code":405}')
+
+    def do_DELETE(self):
+        self.handle_any("DELETE")
 
     def do_GET(self):
         self.handle_any("GET")

@@ -1,0 +1,81 @@
+#include "agent/serverpod/pod_manifest.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "agent/base/sha256.h"
+#include "agent/fuse/handoff_protocol.h"
+
+namespace fusekeeper {
+namespace {
+
+std::string StringArray(const google::protobuf::RepeatedPtrField<std::string>& items, const std::string& socket) {
+  std::string out = "[";
+  for (int i = 0; i < items.size(); ++i) {
+    absl::StrAppend(&out, i ? "," : "", JsonQuote(absl::StrReplaceAll(items[i], {{"{socket}", socket}})));
+  }
+  return out + "]";
+}
+
+std::string QuantityMap(const std::map<std::string, std::string>& m) {
+  std::string out = "{";
+  for (const auto& [k, v] : m) absl::StrAppend(&out, out.size() > 1 ? "," : "", JsonQuote(k), ":", JsonQuote(v));
+  return out + "}";
+}
+
+}  // namespace
+
+std::string VolumeLabelValue(const std::string& volume_id) { return Sha256Hex(volume_id).substr(0, 32); }
+std::string NodeLabelValue(const std::string& node) { return Sha256Hex(node).substr(0, 16); }
+
+std::string NodeSelector(const ServerPodSettings& settings) {
+  return absl::StrCat(kManagedByLabel, "=", kManagedBy, ",", kNodeLabel, "=", NodeLabelValue(settings.node));
+}
+
+ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::string& volume_id,
+                                 const state::ServerPod& server, uint32_t uid, uint32_t gid) {
+  const std::string socket = absl::StrCat(kHandoffDir, "/", kHandoffSocketName);
+  // Requests: the volume's, and the agent's defaults for what it leaves out (always explicit).
+  std::map<std::string, std::string> requests = settings.default_requests;
+  for (const auto& [k, v] : server.requests()) requests[k] = v;
+  const std::map<std::string, std::string> limits(server.limits().begin(), server.limits().end());
+  // What the pod runs, as JSON: hashed into its name, so that any change is a new pod.
+  std::string container = absl::StrCat(
+      R"({"name":)", JsonQuote(kServerContainer), R"(,"image":)", JsonQuote(server.image()),
+      R"(,"imagePullPolicy":"IfNotPresent")");
+  if (server.command_size() > 0) absl::StrAppend(&container, R"(,"command":)", StringArray(server.command(), socket));
+  if (server.args_size() > 0) absl::StrAppend(&container, R"(,"args":)", StringArray(server.args(), socket));
+  absl::StrAppend(&container, R"(,"env":[{"name":"FUSEKEEPER_SOCKET","value":)", JsonQuote(socket), "}]",
+                  R"(,"resources":{"requests":)", QuantityMap(requests));
+  if (!limits.empty()) absl::StrAppend(&container, R"(,"limits":)", QuantityMap(limits));
+  absl::StrAppend(&container, "}",
+                  R"(,"securityContext":{"allowPrivilegeEscalation":false,"privileged":false,)"
+                  R"("readOnlyRootFilesystem":true,"capabilities":{"drop":["ALL"]}})",
+                  R"(,"volumeMounts":[{"name":)", JsonQuote(kHandoffVolume), R"(,"mountPath":)",
+                  JsonQuote(kHandoffDir), "}]}");
+  std::string pod_spec = absl::StrCat(
+      R"({"nodeName":)", JsonQuote(settings.node), R"(,"restartPolicy":"Always")",
+      R"(,"automountServiceAccountToken":false,"enableServiceLinks":false)",
+      R"(,"terminationGracePeriodSeconds":)", settings.termination_grace_seconds,
+      // Bound by name, past the scheduler: it must run wherever the volume is staged, taints or not.
+      R"(,"tolerations":[{"operator":"Exists"}])");
+  if (!settings.priority_class.empty()) {
+    absl::StrAppend(&pod_spec, R"(,"priorityClassName":)", JsonQuote(settings.priority_class));
+  }
+  absl::StrAppend(&pod_spec, R"(,"securityContext":{"runAsNonRoot":true,"runAsUser":)", uid, R"(,"runAsGroup":)", gid,
+                  R"(,"seccompProfile":{"type":"RuntimeDefault"}})", R"(,"containers":[)", container, "]",
+                  R"(,"volumes":[{"name":)", JsonQuote(kHandoffVolume), R"(,"emptyDir":{"sizeLimit":"1Mi"}}]})");
+  ServerPodManifest m;
+  m.spec_hash = Sha256Hex(pod_spec).substr(0, 10);
+  const std::string vol = VolumeLabelValue(volume_id), node = NodeLabelValue(settings.node);
+  m.name = absl::StrCat("fk-", vol.substr(0, 16), "-", node.substr(0, 8), "-", m.spec_hash);
+  m.json = absl::StrCat(
+      R"({"apiVersion":"v1","kind":"Pod","metadata":{"name":)", JsonQuote(m.name), R"(,"namespace":)",
+      JsonQuote(settings.namespace_), R"(,"labels":{)", JsonQuote(kManagedByLabel), ":", JsonQuote(kManagedBy), ",",
+      JsonQuote("app.kubernetes.io/component"), ":", JsonQuote("fuse-server"), ",", JsonQuote(kNodeLabel), ":",
+      JsonQuote(node), ",", JsonQuote(kVolumeLabel), ":", JsonQuote(vol), ",", JsonQuote(kSpecLabel), ":",
+      JsonQuote(m.spec_hash), R"(},"annotations":{)", JsonQuote(kVolumeAnnotation), ":", JsonQuote(volume_id), ",",
+      JsonQuote(kNodeAnnotation), ":", JsonQuote(settings.node), R"(}},"spec":)", pod_spec, "}");
+  return m;
+}
+
+}  // namespace fusekeeper

@@ -1,0 +1,378 @@
+#include "agent/serverpod/server_pods.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "simdjson.h"
+
+namespace fusekeeper {
+namespace {
+
+std::string Str(simdjson::dom::element e, const char* pointer) {
+  std::string_view v;
+  if (e.at_pointer(pointer).get_string().get(v)) return "";
+  return std::string(v);
+}
+
+// The "message" of an API Status body, shortened; empty if there is none.
+std::string ApiMessage(const std::string& body) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  if (parser.parse(body).get(doc) || !doc.is_object()) return "";
+  std::string m = Str(doc, "/message");
+  if (m.size() > 400) m = m.substr(0, 400) + "…";
+  return m;
+}
+
+std::string PercentEncode(const std::string& s) {
+  static const char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  for (unsigned char c : s) {
+    if (isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += {'%', kHex[c >> 4], kHex[c & 15]};
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_view json) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  if (parser.parse(json.data(), json.size()).get(doc) || !doc.is_object()) {
+    return absl::InvalidArgumentError("the pod list is not a JSON object");
+  }
+  simdjson::dom::array items;
+  simdjson::dom::element e;
+  if (doc["items"].get(e) || e.is_null()) return std::vector<ListedServerPod>{};
+  if (e.get_array().get(items)) return absl::InvalidArgumentError("the pod list's items is not an array");
+  std::vector<ListedServerPod> out;
+  for (simdjson::dom::element item : items) {
+    if (!item.is_object()) return absl::InvalidArgumentError("the pod list holds a non-object");
+    ListedServerPod p;
+    p.name = Str(item, "/metadata/name");
+    p.uid = Str(item, "/metadata/uid");
+    p.phase = Str(item, "/status/phase");
+    p.volume_id = Str(item, std::string("/metadata/annotations/").append(kVolumeAnnotation).c_str());
+    p.spec_hash = Str(item, std::string("/metadata/labels/").append(kSpecLabel).c_str());
+    simdjson::dom::element ts;
+    p.terminating = !item.at_pointer("/metadata/deletionTimestamp").get(ts) && !ts.is_null();
+    if (p.name.empty() || p.uid.empty()) return absl::InvalidArgumentError("a pod in the list has no name or uid");
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ParsePodUid(absl::string_view json) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  if (parser.parse(json.data(), json.size()).get(doc) || !doc.is_object()) {
+    return absl::InvalidArgumentError("the pod is not a JSON object");
+  }
+  std::string uid = Str(doc, "/metadata/uid");
+  if (uid.empty()) return absl::InvalidArgumentError("the pod has no metadata.uid");
+  simdjson::dom::element ts;
+  if (!doc.at_pointer("/metadata/deletionTimestamp").get(ts) && !ts.is_null()) {
+    return absl::FailedPreconditionError("the pod is being deleted");
+  }
+  return uid;
+}
+
+ServerPods::ServerPods(Loop& loop, HttpClient& http, BlockingPool& pool, KubeApiConfig api,
+                       ServerPodsOptions options, Events events)
+    : loop_(loop),
+      http_(http),
+      api_(std::move(api)),
+      options_(std::move(options)),
+      events_(std::move(events)),
+      token_(pool, api_.token_file, absl::Seconds(10)) {}
+
+ServerPods::~ServerPods() {
+  *alive_ = false;
+  if (timer_ != 0) loop_.CancelTimer(timer_);
+}
+
+void ServerPods::Send(std::string method, std::string path, std::string body,
+                      absl::AnyInvocable<void(absl::StatusOr<HttpResult>)> done) {
+  token_.Refresh([this, alive = alive_, method = std::move(method), path = std::move(path), body = std::move(body),
+                  done = std::move(done)]() mutable {
+    if (!*alive) return;
+    HttpRequest r;
+    r.method = std::move(method);
+    r.url = absl::StrCat(api_.base_url, path);
+    if (!body.empty()) r.headers.push_back("Content-Type: application/json");
+    r.headers.push_back("Accept: application/json");
+    if (!token_.value().empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_.value()));
+    r.body = std::move(body);
+    r.ca_file = api_.ca_file;
+    r.insecure = api_.insecure;
+    r.timeout = options_.request_timeout;
+    http_.Send(std::move(r), [alive, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
+      if (*alive) done(std::move(res));
+    });
+  });
+}
+
+void ServerPods::Create(const std::string& volume_id, const state::ServerPod& spec, uint32_t uid, uint32_t gid,
+                        absl::AnyInvocable<void(absl::Status)> done) {
+  Want(volume_id, spec, uid, gid);
+  const std::string name = wanted_[volume_id].manifest.name;
+  Post(volume_id, [this, volume_id, name, done = std::move(done)](absl::Status s) mutable {
+    if (!s.ok()) {
+      auto it = wanted_.find(volume_id);
+      if (it != wanted_.end() && it->second.manifest.name == name) wanted_.erase(it);
+    }
+    done(std::move(s));
+  });
+}
+
+void ServerPods::Want(const std::string& volume_id, const state::ServerPod& spec, uint32_t uid, uint32_t gid) {
+  ServerPodManifest m = BuildServerPod(options_.settings, volume_id, spec, uid, gid);
+  auto it = wanted_.find(volume_id);
+  if (it != wanted_.end() && it->second.manifest.name == m.name) return;
+  Wanted& w = wanted_[volume_id];
+  if (!w.manifest.name.empty()) {
+    LOG(INFO) << "volume " << volume_id << ": its server pod changes from " << w.manifest.name << " to " << m.name
+              << " (image " << spec.image() << "): rolling";
+  }
+  w.volume_id = volume_id;
+  w.spec = spec;
+  w.uid = uid;
+  w.gid = gid;
+  w.manifest = std::move(m);
+  w.pod_uid.clear();
+  auto known = w.pods.find(w.manifest.name);
+  if (known != w.pods.end()) w.pod_uid = known->second;
+  if (started_) ResyncSoon();
+}
+
+void ServerPods::Post(const std::string& volume_id, absl::AnyInvocable<void(absl::Status)> done) {
+  Wanted& w = wanted_[volume_id];
+  w.creating = true;
+  const std::string name = w.manifest.name;
+  const std::string ns = options_.settings.namespace_;
+  Send("POST", absl::StrCat("/api/v1/namespaces/", ns, "/pods"), w.manifest.json,
+       [this, volume_id, name, ns, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
+         auto it = wanted_.find(volume_id);
+         if (it != wanted_.end() && it->second.manifest.name == name) it->second.creating = false;
+         const std::string what = absl::StrCat("server pod ", ns, "/", name, " of volume ", volume_id);
+         if (!res.ok()) {
+           ++stats_.api_errors;
+           return done(absl::UnavailableError(
+               absl::StrCat("the API server could not be reached to create ", what, ": ", res.status().message())));
+         }
+         auto take_uid = [this, volume_id, name](absl::string_view body) {
+           auto uid = ParsePodUid(body);
+           auto it = wanted_.find(volume_id);
+           if (uid.ok() && it != wanted_.end()) Known(it->second, name, *uid);
+         };
+         if (res->status == 201 || res->status == 200) {
+           ++stats_.created;
+           LOG(INFO) << "created " << what;
+           take_uid(res->body);
+           return done(absl::OkStatus());
+         }
+         if (res->status == 409) {
+           // Made before (an agent restart, a retried NodeStage): the same name is the same spec.
+           LOG(INFO) << what << " exists already: taken as it is";
+           Send("GET", absl::StrCat("/api/v1/namespaces/", ns, "/pods/", name), "",
+                [take_uid](absl::StatusOr<HttpResult> got) mutable {
+                  if (got.ok() && got->status == 200) take_uid(got->body);
+                });
+           return done(absl::OkStatus());
+         }
+         ++stats_.api_errors;
+         const std::string api = ApiMessage(res->body);
+         const std::string said = absl::StrCat("HTTP ", res->status, api.empty() ? "" : ": ", api);
+         if (res->status == 401 || res->status == 403) {
+           return done(absl::FailedPreconditionError(absl::StrCat(
+               "the API server refused to create ", what, " (", said,
+               "); the agent's service account needs pods create, get, list and delete in namespace ", ns)));
+         }
+         if (res->status == 400 || res->status == 422) {
+           return done(absl::InvalidArgumentError(
+               absl::StrCat("the API server rejected ", what, " as declared by the volume: ", said)));
+         }
+         if (res->status >= 500 || res->status == 429) {
+           return done(absl::UnavailableError(absl::StrCat("the API server failed to create ", what, ": ", said)));
+         }
+         return done(absl::FailedPreconditionError(absl::StrCat("the API server refused to create ", what, ": ", said)));
+       });
+}
+
+void ServerPods::Release(const std::string& volume_id) {
+  auto it = wanted_.find(volume_id);
+  std::set<std::string> names;
+  if (it != wanted_.end()) {
+    names.insert(it->second.manifest.name);
+    while (!it->second.pods.empty()) {
+      names.insert(it->second.pods.begin()->first);
+      Gone(it->second, it->second.pods.begin()->first);
+    }
+    wanted_.erase(it);
+  }
+  for (const auto& [name, p] : seen_) {
+    if (p.volume_id == volume_id) names.insert(name);
+  }
+  for (const auto& name : names) Delete(name, volume_id, "its volume was unstaged from this node");
+}
+
+void ServerPods::Delete(const std::string& name, const std::string& volume_id, const std::string& why) {
+  if (!deleting_.insert(name).second) return;
+  const std::string ns = options_.settings.namespace_;
+  LOG(INFO) << "deleting server pod " << ns << "/" << name << " of volume " << volume_id << ": " << why;
+  Send("DELETE", absl::StrCat("/api/v1/namespaces/", ns, "/pods/", name), "",
+       [this, name, ns](absl::StatusOr<HttpResult> res) {
+         deleting_.erase(name);
+         if (res.ok() && (res->status == 200 || res->status == 202 || res->status == 404)) {
+           if (res->status != 404) ++stats_.deleted;
+           seen_.erase(name);
+           return;
+         }
+         ++stats_.api_errors;
+         LOG(WARNING) << "deleting server pod " << ns << "/" << name << " failed ("
+                      << (res.ok() ? absl::StrCat("HTTP ", res->status) : std::string(res.status().message()))
+                      << "); the next resync tries again";
+       });
+}
+
+void ServerPods::Start() {
+  if (started_) return;
+  started_ = true;
+  ScheduleResync(absl::ZeroDuration());
+}
+
+void ServerPods::ResyncSoon() {
+  if (started_) ScheduleResync(absl::ZeroDuration());
+}
+
+void ServerPods::ScheduleResync(absl::Duration after) {
+  if (timer_ != 0) loop_.CancelTimer(timer_);
+  timer_ = loop_.AddTimer(absl::ToChronoNanoseconds(after), [this] {
+    timer_ = 0;
+    Resync();
+  });
+}
+
+void ServerPods::Resync() {
+  if (resyncing_) {
+    resync_again_ = true;
+    return;
+  }
+  resyncing_ = true;
+  Send("GET",
+       absl::StrCat("/api/v1/namespaces/", options_.settings.namespace_,
+                    "/pods?labelSelector=", PercentEncode(NodeSelector(options_.settings))),
+       "", [this](absl::StatusOr<HttpResult> res) {
+         resyncing_ = false;
+         absl::StatusOr<std::vector<ListedServerPod>> pods =
+             !res.ok() ? absl::StatusOr<std::vector<ListedServerPod>>(res.status())
+             : res->status != 200
+                 ? absl::StatusOr<std::vector<ListedServerPod>>(absl::UnavailableError(absl::StrCat("HTTP ", res->status)))
+                 : ParseServerPodList(res->body);
+         if (!pods.ok()) {
+           ++stats_.api_errors;
+           LOG(WARNING) << "listing this node's server pods failed (" << pods.status().message()
+                        << "); volumes keep being served, and the next resync tries again";
+         } else {
+           Reconcile(*pods);
+         }
+         if (resync_again_) {
+           resync_again_ = false;
+           return ScheduleResync(absl::ZeroDuration());
+         }
+         ScheduleResync(options_.resync);
+       });
+}
+
+void ServerPods::Known(Wanted& w, const std::string& name, const std::string& uid) {
+  auto [it, added] = w.pods.emplace(name, uid);
+  if (!added && it->second == uid) return;
+  if (!added) {  // a pod of that name, made again: the old one is gone
+    Gone(w, name);
+    w.pods.emplace(name, uid);
+  }
+  if (name == w.manifest.name) w.pod_uid = uid;
+  if (events_.on_pod) events_.on_pod(w.volume_id, name, uid);
+}
+
+void ServerPods::Gone(Wanted& w, const std::string& name) {
+  auto it = w.pods.find(name);
+  if (it == w.pods.end()) return;
+  const std::string uid = it->second;
+  w.pods.erase(it);
+  if (name == w.manifest.name) w.pod_uid.clear();
+  if (events_.on_pod_gone) events_.on_pod_gone(w.volume_id, name, uid);
+}
+
+void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods) {
+  std::map<std::string, const ListedServerPod*> by_name;
+  for (const auto& p : pods) by_name[p.name] = &p;
+  seen_.clear();
+  for (const auto& p : pods) seen_[p.name] = p;
+  auto say = [this](const std::string& vid, const std::string& type, const std::string& reason,
+                    const std::string& message) {
+    if (events_.on_event) events_.on_event(vid, type, reason, message);
+  };
+  for (auto& [vid, w] : wanted_) {
+    // Pods known before that are gone, going, or failed.
+    for (auto known = w.pods.begin(); known != w.pods.end();) {
+      const std::string name = known->first, uid = known->second;
+      ++known;
+      auto listed = by_name.find(name);
+      if (listed == by_name.end() || listed->second->uid != uid || listed->second->terminating) Gone(w, name);
+    }
+    auto it = by_name.find(w.manifest.name);
+    if (it == by_name.end()) {
+      if (!w.creating) {
+        const bool again = w.created_once;
+        w.created_once = true;
+        if (again) ++stats_.recreated;
+        Post(vid, [this, vid, again, say](absl::Status s) {
+          if (!s.ok()) {
+            LOG(WARNING) << s.message();
+            say(vid, "Warning", "ServerPodNotCreated", std::string(s.message()));
+          } else if (again) {
+            say(vid, "Normal", "ServerPodRecreated",
+                absl::StrCat("volume ", vid, ": its server pod on this node was gone and has been created again"));
+          }
+        });
+      }
+      continue;
+    }
+    const ListedServerPod& p = *it->second;
+    w.created_once = true;
+    if (p.terminating) continue;  // made again once it has gone
+    if (p.phase == "Failed" || p.phase == "Succeeded") {
+      Delete(p.name, vid, absl::StrCat("it has stopped for good (phase ", p.phase, ")"));
+      say(vid, "Warning", "ServerPodFailed",
+          absl::StrCat("volume ", vid, ": server pod ", p.name, " ended (phase ", p.phase,
+                       ", e.g. evicted); it is deleted and made again"));
+      continue;
+    }
+    Known(w, p.name, p.uid);
+    // A roll: the volume's other pods go once the new one's server waits to take over.
+    const bool ready = events_.standby_ready ? events_.standby_ready(vid, p.uid) : p.phase == "Running";
+    if (!ready) continue;
+    for (const auto& other : pods) {
+      if (other.volume_id != vid || other.name == p.name || other.terminating) continue;
+      ++stats_.rolled;
+      Gone(w, other.name);
+      Delete(other.name, vid, absl::StrCat("rolled to ", p.name));
+      say(vid, "Normal", "ServerPodRolled",
+          absl::StrCat("volume ", vid, ": server pod ", other.name, " replaced by ", p.name, " (image ",
+                       w.spec.image(), ")"));
+    }
+  }
+  if (!started_) return;
+  for (const auto& p : pods) {
+    if (p.terminating || wanted_.count(p.volume_id) > 0) continue;
+    Delete(p.name, p.volume_id, "no volume staged on this node wants it");
+  }
+}
+
+}  // namespace fusekeeper
