@@ -25,6 +25,21 @@ std::string ApiMessage(const std::string& body) {
   return m;
 }
 
+// A JSON pointer to `key` under `prefix`: '/' in a key is written "~1" (RFC 6901).
+std::string Pointer(const char* prefix, const char* key) {
+  std::string out = prefix;
+  for (const char* c = key; *c; ++c) {
+    if (*c == '~') {
+      out += "~0";
+    } else if (*c == '/') {
+      out += "~1";
+    } else {
+      out.push_back(*c);
+    }
+  }
+  return out;
+}
+
 std::string PercentEncode(const std::string& s) {
   static const char kHex[] = "0123456789ABCDEF";
   std::string out;
@@ -57,8 +72,9 @@ absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_vie
     p.name = Str(item, "/metadata/name");
     p.uid = Str(item, "/metadata/uid");
     p.phase = Str(item, "/status/phase");
-    p.volume_id = Str(item, std::string("/metadata/annotations/").append(kVolumeAnnotation).c_str());
-    p.spec_hash = Str(item, std::string("/metadata/labels/").append(kSpecLabel).c_str());
+    p.volume_id = Str(item, Pointer("/metadata/annotations/", kVolumeAnnotation).c_str());
+    p.volume_label = Str(item, Pointer("/metadata/labels/", kVolumeLabel).c_str());
+    p.spec_hash = Str(item, Pointer("/metadata/labels/", kSpecLabel).c_str());
     simdjson::dom::element ts;
     p.terminating = !item.at_pointer("/metadata/deletionTimestamp").get(ts) && !ts.is_null();
     if (p.name.empty() || p.uid.empty()) return absl::InvalidArgumentError("a pod in the list has no name or uid");
@@ -215,8 +231,9 @@ void ServerPods::Release(const std::string& volume_id) {
     }
     wanted_.erase(it);
   }
+  const std::string label = VolumeLabelValue(volume_id);
   for (const auto& [name, p] : seen_) {
-    if (p.volume_id == volume_id) names.insert(name);
+    if (p.volume_label == label) names.insert(name);
   }
   for (const auto& name : names) Delete(name, volume_id, "its volume was unstaged from this node");
 }
@@ -358,8 +375,9 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods) {
     // A roll: the volume's other pods go once the new one's server waits to take over.
     const bool ready = events_.standby_ready ? events_.standby_ready(vid, p.uid) : p.phase == "Running";
     if (!ready) continue;
+    const std::string label = VolumeLabelValue(vid);
     for (const auto& other : pods) {
-      if (other.volume_id != vid || other.name == p.name || other.terminating) continue;
+      if (other.volume_label != label || other.name == p.name || other.terminating) continue;
       ++stats_.rolled;
       Gone(w, other.name);
       Delete(other.name, vid, absl::StrCat("rolled to ", p.name));
@@ -369,8 +387,10 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods) {
     }
   }
   if (!started_) return;
+  std::set<std::string> wanted_labels;
+  for (const auto& [vid, w] : wanted_) wanted_labels.insert(VolumeLabelValue(vid));
   for (const auto& p : pods) {
-    if (p.terminating || wanted_.count(p.volume_id) > 0) continue;
+    if (p.terminating || wanted_labels.count(p.volume_label) > 0) continue;
     Delete(p.name, p.volume_id, "no volume staged on this node wants it");
   }
 }

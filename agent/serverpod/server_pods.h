@@ -37,7 +37,8 @@ namespace fusekeeper {
 // One item of a PodList, as far as the agent reads it.
 struct ListedServerPod {
   std::string name, uid, phase;
-  std::string volume_id;  // kVolumeAnnotation
+  std::string volume_id;     // kVolumeAnnotation
+  std::string volume_label;  // kVolumeLabel: what tells the volume's pods
   std::string spec_hash;  // kSpecLabel
   bool terminating = false;  // deletionTimestamp set
 };

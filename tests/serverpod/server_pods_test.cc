@@ -1,0 +1,318 @@
+// ServerPods against the API-server double over real HTTPS: a volume's pod is created once (an
+// agent restart finds it), made again when deleted or evicted, rolled to a new spec only once
+// the new pod's server waits, deleted when released or left over, and an unreachable or
+// refusing API server is a clear error with nothing left behind.
+#include "agent/serverpod/server_pods.h"
+
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "simdjson.h"
+#include "tests/testing/fake_kube.h"
+#include "tests/testing/loop_thread.h"
+
+namespace fusekeeper {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    char t[] = "/tmp/fk-srvpod-XXXXXX";
+    path_ = mkdtemp(t);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// What the controller said, in order; waited on with a deadline.
+class Said {
+ public:
+  void Add(std::string line) {
+    std::lock_guard<std::mutex> lock(mu_);
+    lines_.push_back(std::move(line));
+    cv_.notify_all();
+  }
+  // Waits until a line containing `what` has been said (at least `n` times).
+  bool WaitFor(const std::string& what, int n = 1) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kTestDeadline, [&] { return CountLocked(what) >= n; });
+  }
+  int Count(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return CountLocked(what);
+  }
+  std::string All() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string out;
+    for (const auto& l : lines_) out += l + "\n";
+    return out;
+  }
+
+ private:
+  int CountLocked(const std::string& what) const {
+    int n = 0;
+    for (const auto& l : lines_) n += absl::StrContains(l, what);
+    return n;
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> lines_;
+};
+
+state::ServerPod Spec(const std::string& image = "team/fs:1") {
+  state::ServerPod s;
+  s.set_image(image);
+  s.add_args("--socket={socket}");
+  return s;
+}
+
+class ServerPodsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    kube_ = std::make_unique<FakeKube>(dir_.path());
+    ASSERT_TRUE(kube_->ok()) << kube_->Diagnostics();
+    { std::ofstream(dir_.path() + "/token") << "secret-token\n"; }
+    pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
+    lt_.RunOnLoop([&] {
+      auto h = HttpClient::Create(lt_.loop());
+      ASSERT_TRUE(h.ok());
+      http_ = std::move(*h);
+    });
+  }
+  void TearDown() override {
+    lt_.RunOnLoop([&] { pods_.reset(); });
+    pool_->Shutdown(absl::Seconds(5));
+    lt_.StopAndJoin();
+    http_.reset();
+  }
+  void Make(std::string url = "") {
+    lt_.RunOnLoop([&] { pods_.reset(); });
+    KubeApiConfig api{url.empty() ? kube_->url() : url, dir_.path() + "/token", kube_->ca_file(), false};
+    ServerPodsOptions o;
+    o.settings.namespace_ = "fk-system";
+    o.settings.node = "node-a";
+    o.resync = absl::Milliseconds(50);
+    o.request_timeout = absl::Seconds(3);
+    ServerPods::Events ev;
+    ev.on_pod = [this](const std::string& vid, const std::string& name, const std::string& uid) {
+      said_.Add("pod " + vid + " " + name + " " + uid);
+    };
+    ev.on_pod_gone = [this](const std::string& vid, const std::string& name, const std::string& uid) {
+      said_.Add("gone " + vid + " " + name + " " + uid);
+    };
+    ev.on_event = [this](const std::string& vid, const std::string& type, const std::string& reason,
+                         const std::string& message) { said_.Add("event " + vid + " " + reason + " " + message); };
+    ev.standby_ready = [this](const std::string&, const std::string& uid) {
+      std::lock_guard<std::mutex> lock(ready_mu_);
+      return ready_uids_.count(uid) > 0;
+    };
+    lt_.RunOnLoop([&] { pods_ = std::make_unique<ServerPods>(lt_.loop(), *http_, *pool_, api, o, std::move(ev)); });
+  }
+  absl::Status Create(const std::string& vid, const state::ServerPod& spec = Spec()) {
+    std::promise<absl::Status> p;
+    lt_.RunOnLoop([&] { pods_->Create(vid, spec, 1000, 1000, [&](absl::Status s) { p.set_value(s); }); });
+    auto f = p.get_future();
+    EXPECT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+    return f.get();
+  }
+  // The double's pods: name → uid.
+  std::map<std::string, std::string> Store() {
+    std::map<std::string, std::string> out;
+    simdjson::dom::parser parser;
+    simdjson::dom::element doc;
+    const std::string json = kube_->PodStore();
+    EXPECT_FALSE(parser.parse(json).get(doc)) << json;
+    simdjson::dom::object obj;
+    if (doc.get_object().get(obj)) return out;
+    for (auto [key, pod] : obj) {
+      std::string_view name, uid;
+      (void)pod.at_pointer("/metadata/name").get_string().get(name);
+      (void)pod.at_pointer("/metadata/uid").get_string().get(uid);
+      out[std::string(name)] = std::string(uid);
+    }
+    return out;
+  }
+  std::string NameFor(const std::string& vid, const state::ServerPod& spec = Spec()) {
+    ServerPodSettings s;
+    s.namespace_ = "fk-system";
+    s.node = "node-a";
+    return BuildServerPod(s, vid, spec, 1000, 1000).name;
+  }
+  // Waits (on the double's log, no sleeping) until the store satisfies `pred`.
+  template <typename Pred>
+  bool WaitStore(Pred pred) {
+    for (int seen = kube_->requests();; ++seen) {
+      if (pred(Store())) return true;
+      if (!kube_->WaitForRequests(seen + 1)) return pred(Store());
+    }
+  }
+  ServerPods::Stats Stats() {
+    ServerPods::Stats s;
+    lt_.RunOnLoop([&] { s = pods_->stats(); });
+    return s;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<FakeKube> kube_;
+  LoopThread lt_;
+  std::unique_ptr<BlockingPool> pool_;
+  std::unique_ptr<HttpClient> http_;
+  std::unique_ptr<ServerPods> pods_;
+  Said said_;
+  std::mutex ready_mu_;
+  std::set<std::string> ready_uids_;
+};
+
+TEST_F(ServerPodsTest, CreatesThePodOnceAndAnAgentRestartFindsItInsteadOfMakingAnother) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  auto store = Store();
+  ASSERT_EQ(store.size(), 1u);
+  const std::string name = NameFor("vol-1");
+  ASSERT_EQ(store.count(name), 1u);
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + name + " " + store[name]));
+  // The POST carried the token and the manifest.
+  bool posted = false;
+  for (const auto& line : kube_->Log()) {
+    if (absl::StrContains(line, "\"POST\"") && absl::StrContains(line, "/namespaces/fk-system/pods")) {
+      posted = true;
+      EXPECT_TRUE(absl::StrContains(line, "Bearer secret-token")) << line;
+      EXPECT_TRUE(absl::StrContains(line, "team/fs:1")) << line;
+    }
+  }
+  EXPECT_TRUE(posted);
+
+  // A new agent (the old one restarted) wants the same volume: the same pod, no second one.
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + name + " " + store[name], 2)) << said_.All();
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  ASSERT_TRUE(kube_->WaitForRequest("GET /api/v1/namespaces/fk-system/pods?labelSelector="));
+  // Resyncs leave it alone.
+  ASSERT_TRUE(kube_->WaitForRequests(kube_->requests() + 3));
+  EXPECT_EQ(Store(), store);
+  EXPECT_EQ(Stats().deleted, 0);
+  EXPECT_EQ(Stats().created, 0);
+}
+
+TEST_F(ServerPodsTest, ADeletedPodIsMadeAgain) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  const std::string name = NameFor("vol-1");
+  const std::string first = Store()[name];
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name), 200);
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodRecreated")) << said_.All();
+  const std::string second = Store()[name];
+  EXPECT_FALSE(second.empty());
+  EXPECT_NE(second, first);
+  EXPECT_TRUE(said_.WaitFor("gone vol-1 " + name + " " + first));
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + name + " " + second));
+  EXPECT_EQ(Stats().recreated, 1);
+}
+
+TEST_F(ServerPodsTest, AnEvictedPodIsDeletedAndMadeAgain) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  const std::string name = NameFor("vol-1");
+  const std::string first = Store()[name];
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  ASSERT_EQ(kube_->Call("PATCH", "/api/v1/namespaces/fk-system/pods/" + name + "/status",
+                        R"({"status":{"phase":"Failed","reason":"Evicted"}})"),
+            200);
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodFailed")) << said_.All();
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(name) && s.at(name) != first; })) << kube_->PodStore();
+  EXPECT_TRUE(said_.WaitFor("gone vol-1 " + name + " " + first));
+}
+
+TEST_F(ServerPodsTest, ReleaseDeletesThePod) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  ASSERT_TRUE(Create("vol-2").ok());
+  ASSERT_EQ(Store().size(), 2u);
+  lt_.RunOnLoop([&] { pods_->Release("vol-1"); });
+  ASSERT_TRUE(WaitStore([](const auto& s) { return s.size() == 1; })) << kube_->PodStore();
+  EXPECT_EQ(Store().count(NameFor("vol-2")), 1u);
+  EXPECT_TRUE(said_.WaitFor("gone vol-1"));
+}
+
+TEST_F(ServerPodsTest, LeftoversAreDeletedOnlyAfterStart) {
+  Make();
+  ASSERT_TRUE(Create("vol-left").ok());
+  ASSERT_TRUE(Create("vol-kept").ok());
+  // A new agent that has not yet learnt its staged volumes: resyncs leave every pod alone.
+  Make();
+  lt_.RunOnLoop([&] { pods_->Want("vol-kept", Spec(), 1000, 1000); });
+  lt_.RunOnLoop([&] { pods_->ResyncSoon(); });  // not started: nothing happens
+  EXPECT_EQ(Store().size(), 2u);
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  ASSERT_TRUE(WaitStore([](const auto& s) { return s.size() == 1; })) << kube_->PodStore();
+  EXPECT_EQ(Store().count(NameFor("vol-kept")), 1u);
+  EXPECT_EQ(Stats().created, 0);
+}
+
+TEST_F(ServerPodsTest, ARollKeepsTheOldPodUntilTheNewOnesServerWaits) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  const std::string old_name = NameFor("vol-1"), new_name = NameFor("vol-1", Spec("team/fs:2"));
+  lt_.RunOnLoop([&] { pods_->Want("vol-1", Spec("team/fs:2"), 1000, 1000); });
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(new_name) > 0; }));
+  const std::string new_uid = Store()[new_name];
+  ASSERT_TRUE(said_.WaitFor("pod vol-1 " + new_name + " " + new_uid));
+  // Resyncs go on; the old pod stays while the new one's server is not waiting.
+  const int before = kube_->requests();
+  ASSERT_TRUE(kube_->WaitForRequests(before + 3));
+  EXPECT_EQ(Store().count(old_name), 1u);
+  {
+    std::lock_guard<std::mutex> lock(ready_mu_);
+    ready_uids_.insert(new_uid);
+  }
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodRolled")) << said_.All();
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.size() == 1 && s.count(new_name); })) << kube_->PodStore();
+  EXPECT_TRUE(said_.WaitFor("gone vol-1 " + old_name));
+  EXPECT_EQ(Stats().rolled, 1);
+}
+
+TEST_F(ServerPodsTest, AnUnreachableApiServerIsAClearErrorAndNothingIsWanted) {
+  Make("https://127.0.0.1:1");
+  absl::Status s = Create("vol-1");
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "could not be reached")) << s;
+  lt_.RunOnLoop([&] { EXPECT_TRUE(pods_->wanted().empty()); });
+}
+
+TEST_F(ServerPodsTest, ARefusalNamesTheRbacItNeeds) {
+  Make();
+  kube_->SetMode("403");
+  absl::Status s = Create("vol-1");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "pods create")) << s;
+  kube_->SetMode("500");
+  EXPECT_EQ(Create("vol-1").code(), absl::StatusCode::kUnavailable);
+  kube_->SetMode("ok");
+  EXPECT_TRUE(Store().empty());
+}
+
+TEST_F(ServerPodsTest, AnApiServerThatGoesAwayLeavesKnownPodsKnown) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  kube_->SetMode("garbage");
+  const int before = kube_->requests();
+  ASSERT_TRUE(kube_->WaitForRequests(before + 3));
+  kube_->SetMode("ok");
+  EXPECT_EQ(said_.Count("gone"), 0) << said_.All();
+  EXPECT_GE(Stats().api_errors, 1);
+  EXPECT_EQ(Store().size(), 1u);
+}
+
+}  // namespace
+}  // namespace fusekeeper
