@@ -42,6 +42,15 @@ struct HandoffEndpoint::Connection {
   bool live = false;  // the offer was of a connection an earlier server initialised
   bool refused = false;
   bool finished = false;
+  std::string tag;  // the listener it came through (AddListener); empty: the main one
+};
+
+struct HandoffEndpoint::Listener {
+  UniqueFd fd;
+  Completion accept;
+  std::string tag;
+  bool closed = false;
+  bool in_flight = false;
 };
 
 absl::StatusOr<UniqueFd> HandoffEndpoint::ListenBlocking(int dir_fd, const std::string& name,
@@ -144,10 +153,110 @@ void HandoffEndpoint::ArmAccept() {
   Arm(sqe, &accept_);
 }
 
+void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
+  if (stopped_) return;
+  RemoveListener(tag);
+  auto l = std::make_unique<Listener>();
+  l->fd = std::move(listen_fd);
+  l->tag = tag;
+  Listener* raw = l.get();
+  listeners_.push_back(std::move(l));
+  raw->accept.callback = [this, raw](int32_t res, bool) {
+    Completed();
+    raw->in_flight = false;
+    if (res >= 0) {
+      if (stopped_ || raw->closed) {
+        close(res);
+      } else {
+        OnAccepted(res, raw->tag);
+      }
+    } else if (res != -ECANCELED && res != -EINTR) {
+      LOG(WARNING) << "handoff accept for volume " << config_.volume_id << " on " << raw->tag << ": "
+                   << strerror(-res);
+    }
+    if (!stopped_ && !raw->closed && res != -ECANCELED && loop_.running()) {
+      ArmExtraAccept(raw);
+    } else if (raw->closed || stopped_) {
+      // Freed after this callback (its own completion) has returned.
+      loop_.Post([self = shared_from_this(), raw] {
+        for (auto it = self->listeners_.begin(); it != self->listeners_.end(); ++it) {
+          if (it->get() == raw && !raw->in_flight) {
+            self->listeners_.erase(it);
+            return;
+          }
+        }
+      });
+    }
+    if (in_flight_ == 0) ReleaseLater(nullptr);
+  };
+  ArmExtraAccept(raw);
+  LOG(INFO) << "volume " << config_.volume_id << ": also listening for its server on " << tag;
+}
+
+void HandoffEndpoint::ArmExtraAccept(Listener* l) {
+  l->in_flight = true;
+  io_uring_sqe* sqe = loop_.GetSqe();
+  io_uring_prep_accept(sqe, l->fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
+  Arm(sqe, &l->accept);
+}
+
+void HandoffEndpoint::RemoveListener(const std::string& tag) {
+  for (auto& l : listeners_) {
+    if (l->tag != tag || l->closed) continue;
+    l->closed = true;
+    if (l->in_flight) loop_.Cancel(&l->accept);
+    l->fd.Reset();
+  }
+  for (auto it = standby_.begin(); it != standby_.end();) {
+    if ((*it)->tag == tag) {
+      LOG(INFO) << "volume " << config_.volume_id << ": " << (*it)->Peer() << " on standby from " << tag
+                << " is dropped: its listener closed";
+      ReleaseLater(std::move(*it));
+      it = standby_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool HandoffEndpoint::HasServerFrom(const std::string& tag) const {
+  if (serving_ && serving_connection_ != nullptr && serving_connection_->tag == tag) return true;
+  for (const auto& c : standby_) {
+    if (c->tag == tag) return true;
+  }
+  return false;
+}
+
+void HandoffEndpoint::PromoteStandby() {
+  while (!standby_.empty() && !stopped_ && !serving_) {
+    std::unique_ptr<Connection> c = std::move(standby_.front());
+    standby_.pop_front();
+    // One that hung up while it waited is dropped (nothing reads from it while it waits).
+    pollfd p{c->fd.get(), POLLIN | POLLRDHUP, 0};
+    if (poll(&p, 1, 0) < 0 || (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLIN))) {
+      LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " on standby hung up";
+      ReleaseLater(std::move(c));
+      continue;
+    }
+    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " on standby from " << c->tag
+              << " takes over";
+    Connection* raw = c.get();
+    connections_in_flight_.push_back(std::move(c));
+    return Admit(raw);
+  }
+}
+
 void HandoffEndpoint::Stop() {
   if (stopped_) return;
   stopped_ = true;
   loop_.Cancel(&accept_);
+  for (auto& l : listeners_) {
+    l->closed = true;
+    if (l->in_flight) loop_.Cancel(&l->accept);
+    l->fd.Reset();
+  }
+  for (auto& c : standby_) ReleaseLater(std::move(c));
+  standby_.clear();
   if (abort_watch_ != nullptr) loop_.Cancel(&abort_watch_->completion);
   abort_watch_ = nullptr;
   listen_fd_.Reset();
@@ -159,10 +268,11 @@ void HandoffEndpoint::Stop() {
   }
 }
 
-void HandoffEndpoint::OnAccepted(int fd) {
+void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
   connections_in_flight_.push_back(std::make_unique<Connection>());
   Connection* c = connections_in_flight_.back().get();
   c->fd.Reset(fd);
+  c->tag = tag;
   ++connections_;
   ucred cred{};
   socklen_t len = sizeof(cred);
@@ -176,10 +286,26 @@ void HandoffEndpoint::OnAccepted(int fd) {
                      absl::StrCat("uid ", cred.uid, " may not serve volume ", config_.volume_id,
                                   " (expected uid ", *options_.peer_uid, ")"));
   }
+  if (serving_ && !tag.empty() && (serving_connection_ == nullptr || serving_connection_->tag != tag)) {
+    // A server pod's server while another pod's serves (a roll): it waits to take over.
+    constexpr size_t kMaxStandby = 4;
+    if (standby_.size() >= kMaxStandby) {
+      ReleaseLater(std::move(standby_.front()));
+      standby_.pop_front();
+    }
+    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << tag
+              << " waits on standby until the serving server stops";
+    standby_.push_back(TakeConnection(c));
+    return;
+  }
   if (serving_) {
     return SendOffer(c, /*refuse=*/true,
                      absl::StrCat("volume ", config_.volume_id, " is already being served"));
   }
+  Admit(c);
+}
+
+void HandoffEndpoint::Admit(Connection* c) {
   if (restored_) return AwaitRedeposit(c);
   if (aborted_) {
     // The kept connection is dead; this server gets the fresh one the owner is making.
@@ -253,6 +379,7 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
     SendOffer(raw, /*refuse=*/false, "");
   }
   ArmAbortWatch();
+  if (waiting.empty()) PromoteStandby();
 }
 
 void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
@@ -500,6 +627,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       serving_ = false;
       LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
       if (events_.on_server_gone) events_.on_server_gone(why);
+      PromoteStandby();
     }
     ReleaseLater(std::move(doomed));
   };

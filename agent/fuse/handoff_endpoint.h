@@ -86,6 +86,18 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // cancelled. The fuse fd is released (closed) when the last in-flight operation finishes.
   void Stop();
 
+  // Loop thread. One more listening socket, named `tag` (a server pod's, in its emptyDir): a
+  // server that connects on it while another serves is not refused but waits on standby, and is
+  // offered the live connection the moment the serving server stops (a roll: the new pod's
+  // server waits, the old pod is deleted, and no request sees an error). Replaces a listener of
+  // the same tag.
+  void AddListener(UniqueFd listen_fd, const std::string& tag);
+  // Loop thread. Closes the listener named `tag` and drops the servers waiting from it.
+  void RemoveListener(const std::string& tag);
+  // Whether a server that came through listener `tag` serves or waits on standby now.
+  bool HasServerFrom(const std::string& tag) const;
+  size_t standby() const { return standby_.size(); }
+
   // Loop thread. A fresh connection (after on_fresh_requested or on_connection_aborted): kept
   // from now on and offered, not live, to parked servers and the next ones to connect.
   void ReplaceConnection(UniqueFd fuse_fd);
@@ -116,6 +128,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
 
  private:
   struct Connection;
+  struct Listener;
   HandoffEndpoint(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config,
                   HandoffOptions options, Events events);
   // Arms a ring operation; the endpoint keeps itself alive while any is in flight.
@@ -126,7 +139,12 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // callback has returned: nothing is destroyed from inside its own callback.
   void ReleaseLater(std::unique_ptr<Connection> doomed);
   void ArmAccept();
-  void OnAccepted(int fd);
+  void ArmExtraAccept(Listener* l);
+  void OnAccepted(int fd, const std::string& tag = "");
+  // What to do with a server whose uid has been checked: offer, park, or wait for a re-deposit.
+  void Admit(Connection* c);
+  // The serving server has gone: the first standby server still connected takes over.
+  void PromoteStandby();
   void SendOffer(Connection* c, bool refuse, std::string why);
   void AwaitReply(Connection* c);
   // Without a connection: waits briefly for the server to re-deposit one.
@@ -161,6 +179,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::deque<Watch> watches_;
   Watch* abort_watch_ = nullptr;  // the current one
   std::string init_record_;  // the FUSE_INIT the first server of this connection reported
+  std::vector<std::unique_ptr<Listener>> listeners_;  // AddListener's; closed ones until their accept ends
+  std::deque<std::unique_ptr<Connection>> standby_;  // servers waiting for the serving one to stop
   UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
   std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;

@@ -1,6 +1,7 @@
 #include "agent/fuse/handoff_endpoint.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -438,6 +439,106 @@ TEST_F(HandoffEndpointTest, AnEarlierServersLateGoodbyeDoesNotUnseatTheCurrentOn
     EXPECT_FALSE(endpoint_->server_gone());
     EXPECT_TRUE(gone_.empty()) << "the earlier server's end is no news: " << gone_[0];
   });
+}
+
+
+// Server pods (a listener each, in its emptyDir): while one pod's server serves, another pod's
+// server waits on standby instead of being refused, and takes the live connection over the
+// moment the serving one stops: a roll of the server pod costs no error.
+class StandbyTest : public HandoffEndpointTest {
+ protected:
+  void AddPodListener(const std::string& tag) {
+    lt_.RunOnLoop([&] {
+      auto listen = HandoffEndpoint::ListenBlocking(dir_fd_.get(), tag, getuid(), getgid());
+      ASSERT_TRUE(listen.ok()) << listen.status();
+      endpoint_->AddListener(std::move(*listen), tag);
+    });
+  }
+  // Waits (loop round trips, bounded) until the endpoint has `n` servers on standby.
+  bool WaitStandby(size_t n) {
+    for (int i = 0; i < 20000; ++i) {
+      size_t now = 0;
+      lt_.RunOnLoop([&] { now = endpoint_->standby(); });
+      if (now == n) return true;
+    }
+    return false;
+  }
+  bool HasServerFrom(const std::string& tag) {
+    bool has = false;
+    lt_.RunOnLoop([&] { has = endpoint_->HasServerFrom(tag); });
+    return has;
+  }
+};
+
+TEST_F(StandbyTest, ANewPodsServerWaitsOnStandbyAndTakesOverTheLiveConnection) {
+  StartEndpoint();
+  AddPodListener("pod-a");
+  AddPodListener("pod-b");
+  UniqueFd a = Connect(dir_.path() + "/pod-a");
+  auto ma = ReceiveHandoffMessage(a.get());
+  ASSERT_TRUE(ma.ok() && ma->fd.valid());
+  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a"}), -1).ok());
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_TRUE(HasServerFrom("pod-a"));
+  EXPECT_FALSE(HasServerFrom("pod-b"));
+
+  UniqueFd b = Connect(dir_.path() + "/pod-b");
+  ASSERT_TRUE(WaitStandby(1));
+  EXPECT_TRUE(HasServerFrom("pod-b"));
+  pollfd p{b.get(), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 0), 0) << "on standby: offered nothing yet";
+  // A second connection on pod-a's own listener, while pod-a serves, is no standby: refused.
+  UniqueFd a2 = Connect(dir_.path() + "/pod-a");
+  auto ma2 = ReceiveHandoffMessage(a2.get());
+  ASSERT_TRUE(ma2.ok());
+  EXPECT_FALSE(ma2->fd.valid());
+
+  // pod-a's server stops (its pod deleted): pod-b's is offered the live connection at once.
+  auto gone = NextGone();
+  a.Reset();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  auto mb = ReceiveHandoffMessage(b.get());
+  ASSERT_TRUE(mb.ok() && mb->fd.valid()) << mb.status();
+  auto config = DecodeMountConfig(mb->payload);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->live) << "the same connection, adopted";
+  ASSERT_TRUE(SendHandoffMessage(b.get(), EncodeHandoffReply({.ok = true, .server = "b"}), -1).ok());
+  for (int i = 0; i < 20000 && !HasServerFrom("pod-b"); ++i) {
+  }
+  lt_.RunOnLoop([&] {
+    EXPECT_TRUE(endpoint_->serving());
+    EXPECT_EQ(endpoint_->adoptions(), 1);
+    EXPECT_EQ(endpoint_->standby(), 0u);
+  });
+  EXPECT_TRUE(HasServerFrom("pod-b"));
+}
+
+TEST_F(StandbyTest, AStandbyThatHungUpIsSkippedAndARemovedListenerDropsItsStandby) {
+  StartEndpoint();
+  AddPodListener("pod-a");
+  AddPodListener("pod-b");
+  AddPodListener("pod-c");
+  UniqueFd a = Serve();  // through the main socket
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  UniqueFd sa = Connect(dir_.path() + "/pod-a");
+  ASSERT_TRUE(WaitStandby(1));
+  UniqueFd sb = Connect(dir_.path() + "/pod-b");
+  ASSERT_TRUE(WaitStandby(2));
+  UniqueFd sc = Connect(dir_.path() + "/pod-c");
+  ASSERT_TRUE(WaitStandby(3));
+  // pod-b is deleted: its listener goes, and its waiting server is let go (it sees the end).
+  lt_.RunOnLoop([&] { endpoint_->RemoveListener("pod-b"); });
+  ASSERT_TRUE(WaitStandby(2));
+  char byte;
+  EXPECT_EQ(recv(sb.get(), &byte, 1, 0), 0) << "dropped";
+  // pod-a's waiting server dies; then the serving one stops: pod-c's takes over.
+  sa.Reset();
+  auto gone = NextGone();
+  a.Reset();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  auto mc = ReceiveHandoffMessage(sc.get());
+  ASSERT_TRUE(mc.ok() && mc->fd.valid()) << mc.status();
+  EXPECT_TRUE(DecodeMountConfig(mc->payload)->live);
 }
 
 }  // namespace
