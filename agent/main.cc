@@ -37,6 +37,8 @@
 #include "agent/paths/host_path.h"
 #include "agent/sys/syscalls.h"
 #include "agent/paths/kubelet_dir.h"
+#include "agent/serverpod/server_pods.h"
+#include "agent/serverpod/server_spec.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_manager.h"
 #include "agent/version.h"
@@ -114,6 +116,15 @@ DEFINE_int32(kubelet_poll_period_ms, 10000, "how often the kubelet's pod list is
 DEFINE_string(kubelet_ca_file, "", "CA bundle for the kubelet's serving certificate (empty: system CAs)");
 DEFINE_bool(kubelet_insecure, false,
             "skip verifying the kubelet's serving certificate (self-signed kubelet certs); explicit opt-in");
+DEFINE_string(server_namespace, EnvOr("POD_NAMESPACE", "fusekeeper"),
+              "where the agent creates staged volumes' server pods (volume_context serverImage); default: "
+              "its own namespace ($POD_NAMESPACE)");
+DEFINE_string(server_priority_class, "",
+              "priorityClassName of server pods (e.g. one that is never preempted); empty: none");
+DEFINE_int32(server_pod_resync_ms, 10000,
+             "how often the node's server pods are listed and made to agree with its staged volumes");
+DEFINE_string(server_cpu_request, "10m", "a server pod's cpu request when its volume names none");
+DEFINE_string(server_memory_request, "32Mi", "a server pod's memory request when its volume names none");
 DEFINE_int32(shutdown_grace_ms, 10000,
              "on SIGTERM, how long in-flight RPCs and blocking work may take to finish");
 
@@ -139,6 +150,10 @@ void DefineMetrics(fusekeeper::Metrics& m) {
   m.Define("fusekeeper_events_dropped_total", T::kCounter, "Events not posted (spam filter, queue full, errors)");
   m.Define("fusekeeper_kubelet_poll_errors_total", T::kCounter, "failed kubelet /pods polls");
   m.Define("fusekeeper_mount_table_changes_total", T::kCounter, "mount-table change notifications");
+  m.Define("fusekeeper_server_pods", T::kGauge, "server pods this node's staged volumes want");
+  m.Define("fusekeeper_server_pod_changes_total", T::kCounter,
+           "server pods created, deleted, created again (deleted or evicted) and rolled, by what");
+  m.Define("fusekeeper_server_pod_api_errors_total", T::kCounter, "failed API server requests about server pods");
   m.Define("fusekeeper_loop_lag_seconds", T::kHistogram, "how late the event loop runs a timer",
            fusekeeper::Metrics::LatencyBuckets());
 }
@@ -230,11 +245,44 @@ int main(int argc, char** argv) {
     }
     ephemeral_prefixes.push_back(prefix);
   }
+  std::unique_ptr<fusekeeper::HttpClient> http_client;
+  std::optional<fusekeeper::KubeApiConfig> api_config;
+  if (auto http_or = fusekeeper::HttpClient::Create(*loop); http_or.ok()) {
+    http_client = std::move(*http_or);
+  } else {
+    LOG(WARNING) << http_or.status();
+  }
+  const absl::StatusOr<fusekeeper::KubeApiConfig> api_or = fusekeeper::InClusterConfig(FLAGS_kube_secrets_dir);
+  if (api_or.ok() && http_client) api_config = *api_or;
+  // Staged volumes that declare their server get a pod on this node for it (agent/serverpod).
+  std::unique_ptr<fusekeeper::ServerPods> server_pods;
+  if (api_config) {
+    fusekeeper::ServerPodsOptions so;
+    so.settings.namespace_ = FLAGS_server_namespace;
+    so.settings.node = node_id;
+    so.settings.priority_class = FLAGS_server_priority_class;
+    so.settings.default_requests = {{"cpu", FLAGS_server_cpu_request}, {"memory", FLAGS_server_memory_request}};
+    for (const auto& [what, q] : so.settings.default_requests) {
+      if (auto s = fusekeeper::CheckQuantity(q, "--server_" + what + "_request"); !s.ok()) {
+        LOG(ERROR) << s.message();
+        return 2;
+      }
+    }
+    if (FLAGS_server_pod_resync_ms < 1) {
+      LOG(ERROR) << "--server_pod_resync_ms must be >= 1";
+      return 2;
+    }
+    so.resync = absl::Milliseconds(FLAGS_server_pod_resync_ms);
+    server_pods = std::make_unique<fusekeeper::ServerPods>(*loop, *http_client, pool, *api_config, so,
+                                                           fusekeeper::ServerPods::Events{});
+    LOG(INFO) << "server pods of staged volumes go to namespace " << FLAGS_server_namespace;
+  }
   fusekeeper::VolumeManager volumes(*loop, pool, *kubelet, *store, **table_reader,
                                     {.stats_timeout = absl::Milliseconds(FLAGS_stats_timeout_ms),
                                      .ephemeral_host_path_prefixes = ephemeral_prefixes,
                                      .host_root = FLAGS_host_root,
                                      .socket_dir = FLAGS_state_dir + "/sockets",
+                                     .server_pods = server_pods.get(),
                                      .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms),
                                      .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms),
                                      .server_gone_grace = absl::Milliseconds(FLAGS_server_gone_grace_ms),
@@ -280,16 +328,8 @@ int main(int argc, char** argv) {
     m.Set("fusekeeper_volumes_relayed", "", counts.relayed);
   });
   // Events go to the API server when running in a cluster; elsewhere they are only logged.
-  std::unique_ptr<fusekeeper::HttpClient> http_client;
   std::unique_ptr<fusekeeper::EventRecorder> events;
-  std::optional<fusekeeper::KubeApiConfig> api_config;
-  if (auto http_or = fusekeeper::HttpClient::Create(*loop); http_or.ok()) {
-    http_client = std::move(*http_or);
-  } else {
-    LOG(WARNING) << http_or.status();
-  }
-  if (auto api = fusekeeper::InClusterConfig(FLAGS_kube_secrets_dir); api.ok() && http_client) {
-    api_config = *api;
+  if (auto api = api_or; api.ok() && http_client) {
     fusekeeper::EventRecorderOptions eo;
     eo.host = node_id;
     events = std::make_unique<fusekeeper::EventRecorder>(*loop, *http_client, pool, *api, eo);
@@ -303,6 +343,17 @@ int main(int argc, char** argv) {
     m.Set("fusekeeper_events_dropped_total", fusekeeper::Metrics::Label("why", "spam_filter"), st.spam_dropped);
     m.Set("fusekeeper_events_dropped_total", fusekeeper::Metrics::Label("why", "queue_full"), st.queue_dropped);
     m.Set("fusekeeper_events_dropped_total", fusekeeper::Metrics::Label("why", "api_error"), st.failed);
+  });
+  metrics.AddCollector([&server_pods](fusekeeper::Metrics& m) {
+    if (!server_pods) return;
+    const auto& st = server_pods->stats();
+    m.Set("fusekeeper_server_pods", "", static_cast<double>(server_pods->wanted().size()));
+    using M = fusekeeper::Metrics;
+    m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "created"), st.created);
+    m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "deleted"), st.deleted);
+    m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "recreated"), st.recreated);
+    m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "rolled"), st.rolled);
+    m.Set("fusekeeper_server_pod_api_errors_total", "", st.api_errors);
   });
   fusekeeper::RecoveryHooks hooks;
   hooks.on_recovery = [&metrics](const std::string& how, const std::string& outcome, absl::Duration latency) {
@@ -447,6 +498,7 @@ int main(int argc, char** argv) {
   http.reset();
   events.reset();
   kubelet_poller.reset();
+  server_pods.reset();
   http_client.reset();
   LOG(INFO) << "fusekeeper stopped";
   return 0;

@@ -16,6 +16,8 @@
 #include <limits.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/inotify.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/un.h>
@@ -24,6 +26,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -38,7 +41,12 @@
 #include "agent/version.h"
 #include "gflags/gflags.h"
 
-DEFINE_string(socket, "", "the volume's handoff socket (from the agent)");
+DEFINE_string(socket, getenv("FUSEKEEPER_SOCKET") != nullptr ? getenv("FUSEKEEPER_SOCKET") : "",
+              "the volume's handoff socket (from the agent; default $FUSEKEEPER_SOCKET, which a server pod "
+              "the agent makes has)");
+DEFINE_int32(socket_wait_ms, 120000,
+             "how long to wait for the handoff socket to appear (or its agent to listen): a server pod "
+             "starts before the agent has found its emptyDir");
 DEFINE_string(root, "", "serve: the directory to export");
 DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused");
 DEFINE_string(work_dir, "",
@@ -144,7 +152,6 @@ int main(int argc, char** argv) {
   if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
-  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (FLAGS_socket.size() >= sizeof(addr.sun_path)) {
@@ -152,9 +159,37 @@ int main(int argc, char** argv) {
                                 "pass it through a shorter path or /proc/self/fd/<dirfd>/name"));
   }
   memcpy(addr.sun_path, FLAGS_socket.data(), FLAGS_socket.size());
-  if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return Fail(3, absl::StrCat("cannot connect to ", FLAGS_socket, ": ", strerror(errno),
-                                errno == ENOENT ? " (does the agent publish this volume?)" : ""));
+  UniqueFd sock;
+  {
+    // Until the socket is there and listened on, or --socket_wait_ms: woken by its directory
+    // changing (inotify), and once a second in any case (a socket re-bound in place).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, FLAGS_socket_wait_ms));
+    const std::string dir = FLAGS_socket.find('/') == std::string::npos
+                                ? "."
+                                : FLAGS_socket.substr(0, std::max<size_t>(1, FLAGS_socket.rfind('/')));
+    UniqueFd watch(inotify_init1(IN_CLOEXEC | IN_NONBLOCK));
+    if (watch.valid()) inotify_add_watch(watch.get(), dir.c_str(), IN_CREATE | IN_MOVED_TO | IN_ATTRIB);
+    bool said = false;
+    for (;;) {
+      sock.Reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+      if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) break;
+      const int err = errno;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if ((err != ENOENT && err != ECONNREFUSED) || left.count() <= 0) {
+        return Fail(3, absl::StrCat("cannot connect to ", FLAGS_socket, ": ", strerror(err),
+                                    err == ENOENT ? " (does the agent publish this volume?)" : ""));
+      }
+      if (!said) {
+        fprintf(stderr, "fkserve: %s: %s; waiting up to %d ms for the agent\n", FLAGS_socket.c_str(), strerror(err),
+                FLAGS_socket_wait_ms);
+        said = true;
+      }
+      pollfd p{watch.get(), POLLIN, 0};
+      poll(&p, watch.valid() ? 1 : 0, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+      char drain[4096];
+      while (watch.valid() && read(watch.get(), drain, sizeof(drain)) > 0) {
+      }
+    }
   }
   ucred cred{};
   socklen_t len = sizeof(cred);

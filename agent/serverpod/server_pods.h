@@ -76,6 +76,8 @@ class ServerPods {
   ServerPods(Loop& loop, HttpClient& http, BlockingPool& pool, KubeApiConfig api, ServerPodsOptions options,
              Events events);
   ~ServerPods();
+  // Loop thread, before anything happens: who hears of the pods (the fuse kind).
+  void SetEvents(Events events) { events_ = std::move(events); }
 
   // Creates (or finds) the volume's pod for `spec` and wants it from then on. `done`: OK once
   // the API server has it; UNAVAILABLE when it cannot be reached or fails; FAILED_PRECONDITION

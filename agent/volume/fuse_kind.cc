@@ -1,6 +1,7 @@
 #include "agent/volume/fuse_kind.h"
 
 #include "absl/strings/str_cat.h"
+#include "agent/serverpod/server_spec.h"
 #include "agent/volume/mount_stack.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_spec.h"
@@ -16,7 +17,7 @@ constexpr char kDefaultSocketName[] = "fusekeeper.sock";
 // volume_context keys this kind reads itself; every other key is handed to the FUSE server.
 bool IsAgentKey(const std::string& k) {
   return k == "kind" || k == "serverUid" || k == "serverGid" || k == "subtype" || k == "socketVolume" ||
-         k == "socketName" || k == "passSecrets";
+         k == "socketName" || k == "passSecrets" || IsServerPodKey(k);
 }
 
 // Mount flags for a FUSE volume: a few kernel options are honoured (ro, noexec, noatime,
@@ -110,9 +111,38 @@ BindOptions StagedTargetBind(const csi::v1::NodePublishVolumeRequest& req) {
 
 }  // namespace
 
+FuseKind::FuseKind(VolumeHost& host, FuseKindOptions options) : VolumeKind(host), options_(std::move(options)) {
+  if (options_.server_pods == nullptr) return;
+  ServerPods::Events ev;
+  ev.on_pod = [this](const std::string& vid, const std::string& name, const std::string& uid) {
+    OnServerPod(vid, name, uid);
+  };
+  ev.on_pod_gone = [this](const std::string& vid, const std::string& name, const std::string& uid) {
+    OnServerPodGone(vid, name, uid);
+  };
+  ev.on_event = [this](const std::string& vid, const std::string& type, const std::string& reason,
+                       const std::string& message) {
+    if (const state::Volume* v = host_.Find(vid); v != nullptr) {
+      host_.Event(*v, type, reason, message);
+    } else {
+      LOG(INFO) << reason << ": " << message;
+    }
+  };
+  ev.standby_ready = [this](const std::string& vid, const std::string& uid) { return ServerWaitsFrom(vid, uid); };
+  options_.server_pods->SetEvents(std::move(ev));
+}
+
 absl::Status FuseKind::ParseSpec(const google::protobuf::Map<std::string, std::string>& ctx,
-                                 const VolumeCapability& cap, bool, state::Spec* spec) const {
-  return ParseFuseSpec(ctx, cap, spec);
+                                 const VolumeCapability& cap, bool staged, state::Spec* spec) const {
+  if (auto s = ParseFuseSpec(ctx, cap, spec); !s.ok()) return s;
+  if (DeclaresServerPod(ctx) && !staged) {
+    return absl::InvalidArgumentError(
+        "volume_context.serverImage declares a server pod, which only staged volumes (PersistentVolumes) get; "
+        "an inline volume is served by its pod's sidecar (socketVolume)");
+  }
+  state::Fuse& fuse = *spec->mutable_fuse();
+  return ParseServerPod(ctx, ctx.count("serverUid") > 0, fuse.server_uid(), fuse.server_gid(),
+                        fuse.mutable_server_pod());
 }
 
 absl::Status ParseFuseSpec(const google::protobuf::Map<std::string, std::string>& ctx, const VolumeCapability& cap,
@@ -194,8 +224,27 @@ absl::StatusOr<KindJob> FuseKind::Stage(StageCall call) {
   v.mutable_fuse()->set_socket_path(
       absl::StrCat(options_.socket_dir, "/", Sha256Hex(v.volume_id()).substr(0, 32), ".sock"));
   auto [secrets, server_options] = ServerInputs(*call.req);
-  return MountJob("NodeStageVolume (fuse)", std::move(v), -1, std::move(call.previous), false, std::move(secrets),
-                  std::move(server_options));
+  const state::ServerPod server_pod = v.fuse().server_pod();
+  const std::string vid = v.volume_id();
+  const uint32_t uid = v.fuse().server_uid(), gid = v.fuse().server_gid();
+  KindJob job = MountJob("NodeStageVolume (fuse)", std::move(v), -1, std::move(call.previous), false,
+                         std::move(secrets), std::move(server_options));
+  if (server_pod.image().empty()) return job;
+  if (options_.server_pods == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "volume ", vid, " declares its server pod (volume_context.serverImage), but this agent has no API server "
+        "to create it with (it runs outside a cluster, or without in-cluster credentials)"));
+  }
+  // The pod first: if the API server cannot make it, nothing is mounted; if the mount then
+  // fails, the pod goes again.
+  job.before = [this, vid, server_pod, uid, gid](absl::AnyInvocable<void(absl::Status)> then) {
+    options_.server_pods->Create(vid, server_pod, uid, gid, std::move(then));
+  };
+  job.undo = [this, vid] {
+    options_.server_pods->Release(vid);
+    server_pods_.erase(vid);
+  };
+  return job;
 }
 
 absl::Status FuseKind::CheckPublish(const csi::v1::NodePublishVolumeRequest& req, const state::Volume* staged,
@@ -264,6 +313,10 @@ KindJob FuseKind::Unpublish(const state::Volume& v, const state::Target& t) {
 
 KindJob FuseKind::Unstage(const state::Volume& v) {
   StopEndpoint(v.volume_id(), v.staging_path());
+  if (options_.server_pods != nullptr && !v.fuse().server_pod().image().empty()) {
+    options_.server_pods->Release(v.volume_id());
+  }
+  server_pods_.erase(v.volume_id());
   return StateJob("NodeUnstageVolume",
                   [ctx = host_.ops_context(), v]() -> absl::StatusOr<std::optional<state::Volume>> {
                     if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(), StagingBase(v), v,
@@ -375,6 +428,80 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   }
   LOG(INFO) << "volume " << vid << ": FUSE mount at " << path << " waits for its server on " << v.fuse().socket_path();
   endpoints_[key] = std::move(e);
+  // Its server pods' sockets, as more listeners of this endpoint.
+  if (path == v.staging_path()) {
+    auto pods = server_pods_.find(vid);
+    if (pods != server_pods_.end()) {
+      for (const auto& [uid, name] : pods->second) AttachPodListener(vid, uid, options_.pod_dir_retry);
+    }
+  }
+}
+
+void FuseKind::OnServerPod(const std::string& volume_id, const std::string& pod_name, const std::string& pod_uid) {
+  LOG(INFO) << "volume " << volume_id << ": server pod " << pod_name << " (uid " << pod_uid << ") exists";
+  server_pods_[volume_id][pod_uid] = pod_name;
+  AttachPodListener(volume_id, pod_uid, options_.pod_dir_retry);
+}
+
+void FuseKind::OnServerPodGone(const std::string& volume_id, const std::string& pod_name,
+                               const std::string& pod_uid) {
+  LOG(INFO) << "volume " << volume_id << ": server pod " << pod_name << " (uid " << pod_uid << ") is gone";
+  auto pods = server_pods_.find(volume_id);
+  if (pods != server_pods_.end()) pods->second.erase(pod_uid);
+  const state::Volume* v = host_.Find(volume_id);
+  if (v == nullptr) return;
+  auto ep = endpoints_.find(EndpointKey(volume_id, v->staging_path()));
+  if (ep != endpoints_.end()) ep->second.endpoint->RemoveListener(pod_uid);
+}
+
+bool FuseKind::ServerWaitsFrom(const std::string& volume_id, const std::string& pod_uid) const {
+  const state::Volume* v = host_.Find(volume_id);
+  if (v == nullptr) return false;
+  auto ep = endpoints_.find(EndpointKey(volume_id, v->staging_path()));
+  return ep != endpoints_.end() && ep->second.endpoint->HasServerFrom(pod_uid);
+}
+
+void FuseKind::AttachPodListener(const std::string& volume_id, const std::string& pod_uid, absl::Duration retry) {
+  auto pods = server_pods_.find(volume_id);
+  if (pods == server_pods_.end() || pods->second.count(pod_uid) == 0) return;  // gone meanwhile
+  const state::Volume* v = host_.Find(volume_id);
+  if (v == nullptr || v->staging_path().empty()) return;  // staged yet? StartEndpoint attaches then
+  const std::string path = v->staging_path();
+  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+  if (ep == endpoints_.end()) return;
+  const uint64_t serial = ep->second.serial;
+  auto again = [this, volume_id, pod_uid, retry] {
+    host_.loop().AddTimer(absl::ToChronoNanoseconds(retry), [this, volume_id, pod_uid, retry] {
+      AttachPodListener(volume_id, pod_uid, std::min(retry * 2, options_.max_pod_dir_retry));
+    });
+  };
+  ClaimQueue::Claim claim = host_.TryClaim(volume_id);
+  if (!claim) return again();
+  host_.RunClaimed(
+      std::move(claim),
+      KindJob{"listen in a server pod's emptyDir",
+              [this, ctx = host_.ops_context(), v = *v, pod_uid, path, serial]() -> absl::StatusOr<AdoptFn> {
+                auto listen = ListenInServerPodBlocking(ctx, v, pod_uid, kHandoffVolume, kHandoffSocketName);
+                if (!listen.ok()) return listen.status();
+                return AdoptFn([this, volume_id = v.volume_id(), pod_uid, path, serial,
+                                fd = std::make_shared<UniqueFd>(std::move(*listen))] {
+                  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+                  auto pods = server_pods_.find(volume_id);
+                  if (ep != endpoints_.end() && ep->second.serial == serial && pods != server_pods_.end() &&
+                      pods->second.count(pod_uid) > 0) {
+                    ep->second.endpoint->AddListener(std::move(*fd), pod_uid);
+                  }
+                  return VolumeChange::Keep();
+                });
+              }},
+      [volume_id, pod_uid, again](absl::Status s) mutable {
+        if (s.ok()) return;
+        if (s.code() != absl::StatusCode::kNotFound) {
+          LOG(WARNING) << "volume " << volume_id << ": cannot listen in server pod " << pod_uid
+                       << "'s emptyDir: " << s;
+        }
+        again();  // the kubelet has not made it yet
+      });
 }
 
 void FuseKind::StopEndpoint(const std::string& volume_id, const std::string& path) {

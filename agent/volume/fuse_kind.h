@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "agent/fuse/handoff_endpoint.h"
+#include "agent/serverpod/server_pods.h"
 #include "agent/volume/fuse_volume_ops.h"
 #include "agent/volume/volume_kind.h"
 
@@ -52,11 +53,18 @@ struct FuseKindOptions {
   // A failed repair is retried after this, doubling up to max_repair_backoff.
   absl::Duration repair_backoff = absl::Milliseconds(200);
   absl::Duration max_repair_backoff = absl::Seconds(30);
+  // Staged volumes that declare their server (volume_context serverImage) get a server pod on
+  // this node through this (agent/serverpod); null: no API server, and such volumes are refused.
+  ServerPods* server_pods = nullptr;
+  // How often a server pod's handoff emptyDir is looked for until the kubelet has made it
+  // (doubling up to the max).
+  absl::Duration pod_dir_retry = absl::Milliseconds(100);
+  absl::Duration max_pod_dir_retry = absl::Seconds(5);
 };
 
 class FuseKind final : public VolumeKind {
  public:
-  FuseKind(VolumeHost& host, FuseKindOptions options) : VolumeKind(host), options_(std::move(options)) {}
+  FuseKind(VolumeHost& host, FuseKindOptions options);
 
   absl::string_view name() const override { return kFuseKind; }
   absl::Status ParseSpec(const google::protobuf::Map<std::string, std::string>& volume_context,
@@ -118,11 +126,22 @@ class FuseKind final : public VolumeKind {
   // Events for what a re-bind removed (stacked mounts) and could not do (failed targets).
   void ReportRebind(const RebindOutcome& r);
 
+  // Server pods (ServerPods' events): a pod of the volume exists (its uid), or has gone.
+  void OnServerPod(const std::string& volume_id, const std::string& pod_name, const std::string& pod_uid);
+  void OnServerPodGone(const std::string& volume_id, const std::string& pod_name, const std::string& pod_uid);
+  // Listens in the pod's handoff emptyDir once the kubelet has made it, as one more listener of
+  // the volume's endpoint (retried, backing off, while the pod exists and the directory does not).
+  void AttachPodListener(const std::string& volume_id, const std::string& pod_uid, absl::Duration retry);
+  // Whether a server from that pod serves the volume or waits to (a roll may retire the old pod).
+  bool ServerWaitsFrom(const std::string& volume_id, const std::string& pod_uid) const;
+
   const FuseKindOptions options_;
   std::map<std::string, Endpoint> endpoints_;
   uint64_t endpoint_serial_ = 0;
   std::unordered_set<std::string> repairing_;      // volumes with a repair queued or running
   std::map<std::string, absl::Duration> backoff_;  // per volume, after failed repairs
+  // Server pods known to exist, per volume: uid → name.
+  std::map<std::string, std::map<std::string, std::string>> server_pods_;
 };
 
 }  // namespace fusekeeper

@@ -53,6 +53,15 @@ void FuseKind::Started() {
           LOG_IF(WARNING, !s.ok()) << "volume " << id << ": cannot listen for its FUSE server again: " << s;
         });
   }
+  // The server pods an earlier agent made: wanted again (found by name, not made twice), and
+  // from now on kept as the staged volumes want them; pods no volume wants are deleted.
+  if (options_.server_pods != nullptr) {
+    for (const auto& [id, v] : host_.volumes()) {
+      if (v.kind() != kFuseKind || v.staging_path().empty() || v.fuse().server_pod().image().empty()) continue;
+      options_.server_pods->Want(id, v.fuse().server_pod(), v.fuse().server_uid(), v.fuse().server_gid());
+    }
+    options_.server_pods->Start();
+  }
 }
 
 void FuseKind::OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why) {

@@ -18,6 +18,7 @@
 #include "agent/paths/kubelet_dir.h"
 #include "agent/sys/syscalls.h"
 #include "agent/volume/mount_stack.h"
+#include "agent/volume/volume_spec.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
@@ -25,6 +26,29 @@ namespace {
 
 std::string Dir(const std::string& path) { return path.substr(0, path.rfind('/')); }
 std::string Name(const std::string& path) { return path.substr(path.rfind('/') + 1); }
+
+// Opens a directory beneath the kubelet dir that will hold a handoff socket (a pod's emptyDir),
+// without following symlinks; it must belong to root or the server's uid. NOT_FOUND if absent.
+absl::StatusOr<UniqueFd> OpenKubeletSocketDirBlocking(const VolumeOpsContext& ctx, const std::string& dir,
+                                                      uint32_t server_uid) {
+  auto rel = ctx.kubelet->Relative(dir, "socket directory");
+  if (!rel.ok()) return rel.status();
+  auto fd = ctx.kubelet->OpenPathBlocking(*rel);
+  if (!fd.ok()) return fd.status();
+  struct statx stx{};
+  if (statx(fd->get(), "", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_UID, &stx) != 0) {
+    return ErrnoStatus(errno, "statx", dir);
+  }
+  if ((stx.stx_mode & S_IFMT) != S_IFDIR) {
+    return absl::FailedPreconditionError(absl::StrCat(dir, " is not a directory"));
+  }
+  if (stx.stx_uid != 0 && stx.stx_uid != server_uid) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the socket directory ", dir, " belongs to uid ", stx.stx_uid, ", neither root nor the "
+        "server's uid ", server_uid));
+  }
+  return std::move(*fd);
+}
 
 // Opens the directory that will hold the handoff socket.
 absl::StatusOr<UniqueFd> OpenSocketDirBlocking(const VolumeOpsContext& ctx, const state::Volume& v,
@@ -36,30 +60,13 @@ absl::StatusOr<UniqueFd> OpenSocketDirBlocking(const VolumeOpsContext& ctx, cons
     if (fd < 0) return ErrnoStatus(errno, "open", dir);
     return UniqueFd(fd);
   }
-  auto rel = ctx.kubelet->Relative(dir, "socket directory");
-  if (!rel.ok()) return rel.status();
-  auto fd = ctx.kubelet->OpenPathBlocking(*rel);
-  if (!fd.ok()) {
-    if (fd.status().code() == absl::StatusCode::kNotFound) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the socket directory ", dir, " does not exist: is the emptyDir named in volume_context "
-          "socketVolume mounted in the pod?"));
-    }
-    return fd.status();
-  }
-  struct statx stx{};
-  if (statx(fd->get(), "", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_UID, &stx) != 0) {
-    return ErrnoStatus(errno, "statx", dir);
-  }
-  if ((stx.stx_mode & S_IFMT) != S_IFDIR) {
-    return absl::FailedPreconditionError(absl::StrCat(dir, " is not a directory"));
-  }
-  if (stx.stx_uid != 0 && stx.stx_uid != v.fuse().server_uid()) {
+  auto fd = OpenKubeletSocketDirBlocking(ctx, dir, v.fuse().server_uid());
+  if (!fd.ok() && fd.status().code() == absl::StatusCode::kNotFound) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the socket directory ", dir, " belongs to uid ", stx.stx_uid, ", neither root nor the "
-        "server's uid ", v.fuse().server_uid()));
+        "the socket directory ", dir, " does not exist: is the emptyDir named in volume_context "
+        "socketVolume mounted in the pod?"));
   }
-  return std::move(*fd);
+  return fd;
 }
 
 FuseMountOptions MountOptionsFor(const state::Volume& v, bool read_only_target) {
@@ -177,6 +184,17 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
   absl::Status s = UnmountStackBlocking(*ctx.kubelet, path, id, base, /*fuse_layers=*/true);
   if (!s.ok() && s.code() != absl::StatusCode::kFailedPrecondition) return s;
   return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> ListenInServerPodBlocking(const VolumeOpsContext& ctx, const state::Volume& v,
+                                                   const std::string& pod_uid, const std::string& empty_dir,
+                                                   const std::string& socket_name) {
+  if (auto s = CheckName(pod_uid, "server pod uid"); !s.ok()) return s;
+  const std::string dir = absl::StrCat(ctx.kubelet->path(), "/pods/", pod_uid, "/volumes/kubernetes.io~empty-dir/",
+                                       empty_dir);
+  auto fd = OpenKubeletSocketDirBlocking(ctx, dir, v.fuse().server_uid());
+  if (!fd.ok()) return fd.status();
+  return HandoffEndpoint::ListenBlocking(fd->get(), socket_name, v.fuse().server_uid(), v.fuse().server_gid());
 }
 
 absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {

@@ -65,6 +65,14 @@ struct RebindOutcome {
 // removed: running containers hold copies of it.
 absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx, state::Volume volume);
 
+// A server pod's handoff socket, `socket_name` in its emptyDir `empty_dir` (found through the
+// kubelet dir: <kubelet>/pods/<pod_uid>/volumes/kubernetes.io~empty-dir/<empty_dir>, opened
+// without following symlinks, owned by root or the server's uid). NOT_FOUND until the kubelet
+// has made the directory.
+absl::StatusOr<UniqueFd> ListenInServerPodBlocking(const VolumeOpsContext& ctx, const state::Volume& volume,
+                                                   const std::string& pod_uid, const std::string& empty_dir,
+                                                   const std::string& socket_name);
+
 // The volume's handoff socket, made again (an agent restarted without its endpoints).
 absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& volume);
 

@@ -44,6 +44,12 @@ struct KindJob {
   std::string reason;  // names the pool job in logs and metrics
   // BlockingPool; may block. Empty: nothing to do (the RPC answers OK at once).
   absl::AnyInvocable<absl::StatusOr<AdoptFn>()> work;
+  // Optional, on the loop, under the claim, before `work`: asynchronous preparation (a request
+  // to the API server). It calls its argument once with the outcome; an error ends the job with
+  // that error and `work` does not run.
+  absl::AnyInvocable<void(absl::AnyInvocable<void(absl::Status)>)> before;
+  // Optional, on the loop: undoes what `before` did, when `work` then fails.
+  absl::AnyInvocable<void()> undo;
 };
 
 // A job whose work returns the new state directly (nullopt: the volume is gone).

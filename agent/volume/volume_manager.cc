@@ -1,6 +1,7 @@
 #include "agent/volume/volume_manager.h"
 
 #include <utility>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -52,7 +53,8 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
                              .redeposit_wait = options.redeposit_wait,
                              .server_gone_grace = options.server_gone_grace,
                              .repair_backoff = options.repair_backoff,
-                             .max_repair_backoff = options.max_repair_backoff});
+                             .max_repair_backoff = options.max_repair_backoff,
+                             .server_pods = options.server_pods});
 }
 
 void VolumeManager::Start(Done done) {
@@ -158,6 +160,22 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
   CHECK(claim) << "a job runs under a claim";
   const std::string volume_id = claim.volume_id();
   const std::string target = claim.target();
+  if (job.before) {
+    auto before = std::move(job.before);
+    job.before = nullptr;
+    auto rest = std::make_shared<std::tuple<Claim, KindJob, absl::AnyInvocable<void(absl::Status)>>>(
+        std::move(claim), std::move(job), std::move(done));
+    before([this, rest, answer_from_pool](absl::Status s) mutable {
+      auto& [claim, job, done] = *rest;
+      if (!s.ok()) {
+        claim.Release();
+        if (done) done(std::move(s));
+        return;
+      }
+      RunJob(std::move(claim), std::move(job), std::move(done), answer_from_pool);
+    });
+    return;
+  }
   if (!job.work) {
     claim.Release();
     if (done) done(absl::OkStatus());
@@ -167,11 +185,13 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
     absl::AnyInvocable<absl::StatusOr<AdoptFn>()> work;
     absl::StatusOr<AdoptFn> result = absl::UnknownError("not run");
     absl::AnyInvocable<void(absl::Status)> done;
+    absl::AnyInvocable<void()> undo;
     bool ran = false;
   };
   auto r = std::make_shared<Running>();
   r->work = std::move(job.work);
   r->done = std::move(done);
+  r->undo = std::move(job.undo);
   // The claim stays on the loop thread while the work runs on the pool.
   const uint64_t job_number = ++next_job_;
   running_claims_.emplace(job_number, std::move(claim));
@@ -179,6 +199,7 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
   // sees that state), and (unless the pool thread answered already) pass the outcome on.
   auto finish = [this, volume_id, target, job_number](const std::shared_ptr<Running>& r, bool answer) {
     const absl::Status outcome = r->result.status();
+    if (!outcome.ok() && r->undo) r->undo();
     if (outcome.ok()) {
       VolumeChange change = (*r->result)();
       if (!target.empty() && change.what == VolumeChange::kSet) {
@@ -212,6 +233,7 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
       },
       [this, r, finish, answer_from_pool, job_number](absl::Status ran) mutable {
         if (!ran.ok() || !r->ran) {  // the pool shut down before the work started
+          if (r->undo) r->undo();
           running_claims_.erase(job_number);
           if (r->done) r->done(ran.ok() ? absl::CancelledError("not run") : ran);
           return;
@@ -219,6 +241,7 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
         if (!answer_from_pool) finish(r, /*answer=*/true);
       });
   if (!s.ok()) {
+    if (r->undo) r->undo();
     running_claims_.erase(job_number);
     if (r->done) r->done(s);
   }

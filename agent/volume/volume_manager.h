@@ -25,6 +25,7 @@
 #include "agent/loop/loop.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
+#include "agent/serverpod/server_pods.h"
 #include "agent/volume/claim_queue.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_kind.h"
@@ -60,6 +61,8 @@ struct VolumeManagerOptions {
   std::string host_root;
   // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
   std::string socket_dir = "/var/lib/fusekeeper/sockets";
+  // Server pods of staged FUSE volumes (FuseKindOptions::server_pods); null: none.
+  ServerPods* server_pods = nullptr;
   // A FUSE volume no server has claimed by then has its connection aborted (it stays mounted and
   // fails fast) and a Warning posted; a server that connects later gets a fresh connection.
   absl::Duration handoff_timeout = absl::Minutes(5);

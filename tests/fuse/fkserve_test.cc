@@ -356,8 +356,17 @@ TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {
   });
 }
 
+// A server pod starts before the agent has found its emptyDir: fkserve waits for the socket.
+TEST_F(FkserveTest, AServerStartedBeforeItsSocketExistsWaitsForIt) {
+  StartServer({"serve", "--root=" + export_});  // no socket yet
+  ASSERT_TRUE(server_->WaitForStderr("waiting up to", 1, kTestDeadline)) << server_->Stderr();
+  MountAndOffer({.volume_id = "v-late"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/existing.txt"), "already here\n");
+}
+
 TEST_F(FkserveTest, ClearErrorsForAMissingSocketAWrongPeerAndANonFuseFd) {
-  StartServer({"serve", "--root=" + export_});  // no endpoint yet: nothing listens
+  StartServer({"--socket_wait_ms=0", "serve", "--root=" + export_});  // no endpoint yet: nothing listens
   EXPECT_EQ(ServerExit(), 3);
   EXPECT_NE(server_->Stderr().find("cannot connect"), std::string::npos) << server_->Stderr();
 
