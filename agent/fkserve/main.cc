@@ -175,7 +175,8 @@ int main(int argc, char** argv) {
       if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) break;
       const int err = errno;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      if ((err != ENOENT && err != ECONNREFUSED) || left.count() <= 0) {
+      // EACCES too: the agent makes the socket, then gives it to the server's user (chown).
+      if ((err != ENOENT && err != ECONNREFUSED && err != EACCES) || left.count() <= 0) {
         return Fail(3, absl::StrCat("cannot connect to ", FLAGS_socket, ": ", strerror(err),
                                     err == ENOENT ? " (does the agent publish this volume?)" : ""));
       }

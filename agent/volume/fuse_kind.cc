@@ -428,11 +428,14 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   }
   LOG(INFO) << "volume " << vid << ": FUSE mount at " << path << " waits for its server on " << v.fuse().socket_path();
   endpoints_[key] = std::move(e);
-  // Its server pods' sockets, as more listeners of this endpoint.
+  // Its server pods' sockets, as more listeners of this endpoint: once the work that started it
+  // has recorded the volume and ended its claim.
   if (path == v.staging_path()) {
     auto pods = server_pods_.find(vid);
     if (pods != server_pods_.end()) {
-      for (const auto& [uid, name] : pods->second) AttachPodListener(vid, uid, options_.pod_dir_retry);
+      for (const auto& [uid, name] : pods->second) {
+        host_.loop().Post([this, vid, uid = uid] { AttachPodListener(vid, uid, options_.pod_dir_retry); });
+      }
     }
   }
 }

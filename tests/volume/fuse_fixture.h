@@ -25,6 +25,7 @@
 #include "tests/testing/csi_client.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/mount_fixture.h"
+#include "tests/testing/fake_kube.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/with_deadline.h"
 #include "tests/volume/pod_reader.h"
@@ -255,8 +256,24 @@ class FuseE2ETest : public ::testing::Test {
     return resp;
   }
 
+  // The API server (and kubelet) double, with the agent's service account secrets for it in
+  // secrets_ and the in-cluster environment set for the next StartAgent.
+  FakeKube& StartKube() {
+    const std::string kube_dir = root_.path() + "/kube";
+    fs::create_directories(kube_dir);
+    kube_ = std::make_unique<FakeKube>(kube_dir);
+    EXPECT_TRUE(kube_->ok()) << kube_->Diagnostics();
+    secrets_ = root_.path() + "/secrets";
+    fs::create_directories(secrets_);
+    fs::copy_file(kube_->ca_file(), secrets_ + "/ca.crt", fs::copy_options::overwrite_existing);
+    { std::ofstream(secrets_ + "/token") << "agent-token"; }
+    agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube_->port())};
+    return *kube_;
+  }
+
   TmpfsDir root_;
-  std::string kubelet_, state_, export_, fkserve_;
+  std::string kubelet_, state_, export_, fkserve_, secrets_;
+  std::unique_ptr<FakeKube> kube_;
   std::unique_ptr<Subprocess> agent_;
   std::vector<std::string> agent_env_;  // extra environment for the agent
   std::vector<std::string> agent_prefix_;  // a command the agent is run under (e.g. unshare)

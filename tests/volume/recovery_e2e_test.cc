@@ -71,23 +71,7 @@ class RecoveryE2ETest : public FuseE2ETest {
     server.reset();
   }
 
-  // The API server (and kubelet) double, with the agent's service account secrets for it in
-  // secrets_ and the in-cluster environment set for the next StartAgent.
-  FakeKube& StartKube() {
-    const std::string kube_dir = root_.path() + "/kube";
-    fs::create_directories(kube_dir);
-    kube_ = std::make_unique<FakeKube>(kube_dir);
-    EXPECT_TRUE(kube_->ok()) << kube_->Diagnostics();
-    secrets_ = root_.path() + "/secrets";
-    fs::create_directories(secrets_);
-    fs::copy_file(kube_->ca_file(), secrets_ + "/ca.crt");
-    { std::ofstream(secrets_ + "/token") << "agent-token"; }
-    agent_env_ = {"KUBERNETES_SERVICE_HOST=127.0.0.1", "KUBERNETES_SERVICE_PORT=" + std::to_string(kube_->port())};
-    return *kube_;
-  }
-
-  std::string staging_, socket_, secrets_;
-  std::unique_ptr<FakeKube> kube_;
+  std::string staging_, socket_;
 };
 
 TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNeverFail) {

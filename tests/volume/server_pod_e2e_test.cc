@@ -1,0 +1,247 @@
+// Server pods end to end: the real agent against the API-server double (real HTTPS), real FUSE
+// mounts in a private mount namespace, readers in container-like pod views. The test plays the
+// kubelet: for each pod the agent creates it makes the pod's emptyDir under the kubelet dir and
+// runs the pod's declared command (fkserve, unprivileged) with {socket} mapped to it.
+#include <sys/stat.h>
+
+#include "simdjson.h"
+#include "tests/volume/fuse_fixture.h"
+
+namespace fusekeeper {
+namespace {
+
+class ServerPodE2ETest : public FuseE2ETest {
+ protected:
+  // A PV's volumeAttributes that declare the server.
+  std::map<std::string, std::string> ServerContext(const std::string& image = "example.com/fkserve:1.0") {
+    return {{"kind", "fuse"},
+            {"serverUid", std::to_string(kServerUid)},
+            {"serverImage", image},
+            {"serverArgs", R"(["--socket={socket}", "serve", "--root=)" + export_ + R"("])"},
+            {"serverResources", R"({"requests": {"memory": "48Mi"}, "limits": {"memory": "128Mi"}})"}};
+  }
+  // The staging path of `id`, made once (after NodeStage it is a FUSE mount: no stat of it here
+  // may wait on a server that is not there).
+  std::string Staging(const std::string& id) {
+    auto it = staging_.find(id);
+    if (it == staging_.end()) it = staging_.emplace(id, StagingPath(id)).first;
+    return it->second;
+  }
+  grpc::Status Stage(const std::string& id, const std::map<std::string, std::string>& ctx) {
+    NodeStageVolumeRequest r;
+    r.set_volume_id(id);
+    r.set_staging_target_path(Staging(id));
+    *r.mutable_volume_capability() = MountCapability();
+    for (const auto& [k, v] : ctx) (*r.mutable_volume_context())[k] = v;
+    NodeStageVolumeResponse resp;
+    auto c = Ctx();
+    return node_->NodeStageVolume(c.get(), r, &resp);
+  }
+  void StartAgentInCluster() {
+    StartKube();
+    StartAgent({"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system", "--server_pod_resync_ms=100",
+                "--server_gone_grace_ms=60000"});
+  }
+
+  struct PodSeen {
+    std::string name, uid, image, node;
+    std::vector<std::string> args;
+    std::string json;
+  };
+  // The double's pods, as the agent made them.
+  std::vector<PodSeen> Pods() {
+    std::vector<PodSeen> out;
+    const std::string json = kube_->PodStore();
+    simdjson::dom::parser parser;
+    simdjson::dom::element doc;
+    if (parser.parse(json).get(doc)) return out;
+    simdjson::dom::object obj;
+    if (doc.get_object().get(obj)) return out;
+    auto str = [](simdjson::dom::element e, const char* ptr) {
+      std::string_view v;
+      return e.at_pointer(ptr).get_string().get(v) ? std::string() : std::string(v);
+    };
+    for (auto [key, pod] : obj) {
+      PodSeen p;
+      p.name = str(pod, "/metadata/name");
+      p.uid = str(pod, "/metadata/uid");
+      p.image = str(pod, "/spec/containers/0/image");
+      p.node = str(pod, "/spec/nodeName");
+      simdjson::dom::array args;
+      if (!pod.at_pointer("/spec/containers/0/args").get_array().get(args)) {
+        for (simdjson::dom::element a : args) p.args.push_back(std::string(a.get_string().value()));
+      }
+      p.json = simdjson::to_string(pod);
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+  // Waits (on the double's request log, no sleeping) until `pred(Pods())`.
+  template <typename Pred>
+  bool WaitPods(Pred pred) {
+    for (int seen = kube_->requests();; ++seen) {
+      if (pred(Pods())) return true;
+      if (!kube_->WaitForRequests(seen + 1)) return pred(Pods());
+    }
+  }
+  // The kubelet's part: the pod's emptyDir, and its container, run as declared.
+  Subprocess* RunPod(const PodSeen& pod) {
+    const std::string real = kubelet_ + "/pods/" + pod.uid + "/volumes/kubernetes.io~empty-dir/fusekeeper-handoff";
+    fs::create_directories(real);
+    chmod(real.c_str(), 0777);
+    // The pod reaches it as /run/fusekeeper; here a short link to it keeps the socket's path
+    // within sun_path's 108 bytes.
+    const std::string dir = root_.path() + "/p" + std::to_string(pods_run_++);
+    fs::create_directory_symlink(real, dir);
+    std::vector<std::string> cmd = {fkserve_};
+    for (std::string a : pod.args) {
+      // The pod sees its emptyDir at /run/fusekeeper; this test's "container" sees the host path.
+      const std::string in_pod = "/run/fusekeeper/";
+      if (size_t at = a.find(in_pod); at != std::string::npos) a.replace(at, in_pod.size(), dir + "/");
+      cmd.push_back(a);
+    }
+    servers_.push_back(std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [] {
+      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
+        _exit(99);
+      }
+    }));
+    return servers_.back().get();
+  }
+
+  std::map<std::string, std::string> staging_;
+  int pods_run_ = 0;
+};
+
+TEST_F(ServerPodE2ETest, StageMakesTheServerPodItsServerServesEveryPodAndUnstageDeletesIt) {
+  StartAgentInCluster();
+  const std::string id = "pv-shared";
+  grpc::Status s = Stage(id, ServerContext());
+  ASSERT_TRUE(s.ok()) << s.error_message() << agent_->Stderr();
+  auto pods = Pods();
+  ASSERT_EQ(pods.size(), 1u) << kube_->PodStore();
+  const PodSeen pod = pods[0];
+  EXPECT_EQ(pod.image, "example.com/fkserve:1.0");
+  EXPECT_EQ(pod.node, "n");
+  ASSERT_EQ(pod.args.size(), 3u);
+  EXPECT_EQ(pod.args[0], "--socket=/run/fusekeeper/handoff.sock");
+  EXPECT_TRUE(absl::StrContains(pod.json, R"("limits":{"memory":"128Mi"})")) << pod.json;
+  EXPECT_TRUE(absl::StrContains(pod.json, R"("cpu":"10m")")) << "the agent's default request: " << pod.json;
+  EXPECT_TRUE(absl::StrContains(pod.json, R"("runAsUser":)" + std::to_string(kServerUid))) << pod.json;
+
+  Subprocess* server = RunPod(pod);
+  const std::string t1 = Pod("app-1", id), t2 = Pod("app-2", id);
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t1, "app-1", "app-1").ok());
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t2, "app-2", "app-2").ok());
+  auto r1 = PodReader(t1, "hello.txt");
+  auto r2 = PodReader(t2, "hello.txt");
+  ASSERT_TRUE(r1->WaitForReadsOf("hello from the export\n")) << r1->setup_error() << server->Stderr()
+                                                             << agent_->Stderr();
+  ASSERT_TRUE(r2->WaitForReadsOf("hello from the export\n")) << r2->setup_error();
+  EXPECT_EQ(r1->errors() + r2->errors(), 0);
+  r1.reset();
+  r2.reset();
+
+  ASSERT_TRUE(Unpublish(id, t1).ok());
+  ASSERT_TRUE(Unpublish(id, t2).ok());
+  s = Unstage(id, Staging(id));
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(WaitPods([](const auto& p) { return p.empty(); })) << kube_->PodStore();
+  EXPECT_EQ(MountCountAt(Staging(id)), 0);
+}
+
+TEST_F(ServerPodE2ETest, ADeletedServerPodIsMadeAgainAndItsServerTakesOverWithoutAnError) {
+  StartAgentInCluster();
+  const std::string id = "pv-deleted";
+  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
+  const PodSeen first = Pods().at(0);
+  Subprocess* server = RunPod(first);
+  const std::string t = Pod("app-1", id);
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t, "app-1", "app-1").ok());
+  auto r = PodReader(t, "hello.txt");
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << r->setup_error() << server->Stderr();
+
+  // kubectl delete pod: the API server forgets it, the kubelet stops its container.
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + first.name), 200);
+  server->Signal(SIGTERM);
+  ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid != first.uid; })) << kube_->PodStore();
+  const PodSeen second = Pods().at(0);
+  EXPECT_EQ(second.name, first.name) << "the same pod, made again";
+  Subprocess* next = RunPod(second);
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << next->Stderr() << agent_->Stderr();
+  EXPECT_EQ(r->errors(), 0) << "reads waited for the new server; none failed";
+  EXPECT_TRUE(agent_->WaitForStderr("ServerPodRecreated", 1, kTestDeadline));
+}
+
+TEST_F(ServerPodE2ETest, AnAgentRestartFindsItsServerPodAndMakesNoOther) {
+  StartAgentInCluster();
+  const std::string id = "pv-restart";
+  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
+  const PodSeen pod = Pods().at(0);
+  Subprocess* server = RunPod(pod);
+  const std::string t = Pod("app-1", id);
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t, "app-1", "app-1").ok());
+  auto r = PodReader(t, "hello.txt");
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << r->setup_error() << server->Stderr();
+
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  StartAgent({"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system", "--server_pod_resync_ms=100",
+              "--server_gone_grace_ms=60000"});
+  // It lists its pods and leaves this one be; the server re-deposits the live connection.
+  ASSERT_TRUE(kube_->WaitForRequest("GET /api/v1/namespaces/fk-system/pods?labelSelector="));
+  ASSERT_TRUE(kube_->WaitForRequests(kube_->requests() + 5));
+  auto pods = Pods();
+  ASSERT_EQ(pods.size(), 1u) << kube_->PodStore();
+  EXPECT_EQ(pods[0].uid, pod.uid);
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << server->Stderr() << agent_->Stderr();
+  EXPECT_EQ(r->errors(), 0);
+  // The new agent listens in the pod's emptyDir again: a restart of the pod's server is adopted.
+  ASSERT_TRUE(agent_->WaitForStderr("also listening for its server on " + pod.uid, 1, kTestDeadline))
+      << agent_->Stderr();
+}
+
+TEST_F(ServerPodE2ETest, BadDeclarationsAndAnUnreachableApiServerAreClearErrorsAndLeaveNothing) {
+  StartAgentInCluster();
+  struct Case {
+    std::string key, value, says;
+  };
+  for (const Case& c : std::vector<Case>{{"serverImage", "example.com/fkserve", "names no tag or digest"},
+                                         {"serverUid", "0", "serverUid is 0"},
+                                         {"serverArgs", "serve --root=/x", "serverArgs is not valid JSON"},
+                                         {"serverResources", R"({"requests": {"cpu": "-1"}})", "is negative"}}) {
+    auto ctx = ServerContext();
+    ctx[c.key] = c.value;
+    grpc::Status s = Stage("pv-bad", ctx);
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << c.key;
+    EXPECT_TRUE(absl::StrContains(s.error_message(), c.says)) << s.error_message();
+  }
+  EXPECT_TRUE(Pods().empty()) << kube_->PodStore();
+  EXPECT_EQ(MountCountAt(Staging("pv-bad")), 0);
+
+  // The API server fails: nothing mounted, nothing left; the agent answers UNAVAILABLE.
+  kube_->SetMode("500");
+  grpc::Status s = Stage("pv-down", ServerContext());
+  EXPECT_EQ(s.error_code(), grpc::UNAVAILABLE) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "failed to create server pod")) << s.error_message();
+  EXPECT_EQ(MountCountAt(Staging("pv-down")), 0);
+  kube_->SetMode("ok");
+  EXPECT_TRUE(Pods().empty());
+  // Once it is back, kubelet's retry of NodeStage succeeds.
+  s = Stage("pv-down", ServerContext());
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(Pods().size(), 1u);
+}
+
+TEST_F(ServerPodE2ETest, WithoutAnApiServerAVolumeThatDeclaresAServerIsRefused) {
+  StartAgent();  // no in-cluster config
+  grpc::Status s = Stage("pv-nocluster", ServerContext());
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "no API server")) << s.error_message();
+  EXPECT_EQ(MountCountAt(Staging("pv-nocluster")), 0);
+}
+
+}  // namespace
+}  // namespace fusekeeper
