@@ -5,6 +5,7 @@ socket paths agree between the agent, node-driver-registrar and the livenessprob
 name is the agent's default; example volume attributes are keys the agent reads; the webhook's
 Deployment, Service, RBAC and MutatingWebhookConfiguration agree with each other and its flags.
 Prints what is wrong and exits non-zero."""
+import json
 import os
 import re
 import subprocess
@@ -59,7 +60,10 @@ for target in ("agent", "fkserve", "webhook"):
 
 default_driver = re.search(r"-driver_name \(.*?\) type: string default: \"([^\"]+)\"", agent_help, re.S)
 KNOWN_ATTRIBUTES = {"kind", "path", "type", "serverUid", "serverGid", "subtype", "socketVolume",
-                    "socketName", "passSecrets"}
+                    "socketName", "passSecrets", "serverImage", "serverCommand", "serverArgs", "serverResources"}
+
+
+pv_images = []
 
 
 def containers(spec):
@@ -99,9 +103,21 @@ for path, d in docs:
                 if k not in KNOWN_ATTRIBUTES:
                     problems.append(f"{path}: volume {v['name']} sets attribute {k}, which the agent does not read")
     if kind == "PersistentVolume":
-        for k in (d["spec"].get("csi", {}).get("volumeAttributes") or {}):
+        attrs = d["spec"].get("csi", {}).get("volumeAttributes") or {}
+        for k in attrs:
             if k not in KNOWN_ATTRIBUTES:
                 problems.append(f"{path}: PV attribute {k} is not read by the agent")
+        # A declared server pod: our image at the built version, its args fkserve's flags.
+        image = attrs.get("serverImage", "")
+        if image.startswith("fusekeeper/"):
+            name, _, tag = image.partition(":")
+            if name != "fusekeeper/fkserve":
+                problems.append(f"{path}: serverImage {image} is not fusekeeper/fkserve")
+            pv_images.append((path, image))
+            for arg in json.loads(attrs.get("serverArgs", "[]")):
+                m = re.match(r"--(\w+)", arg)
+                if m and m.group(1) not in fkserve_flags:
+                    problems.append(f"{path}: serverArgs passes --{m.group(1)}, which fkserve does not have")
     if kind == "DaemonSet":
         spec = d["spec"]["template"]["spec"]
         by_name = {c["name"]: c for c in spec["containers"]}
@@ -167,6 +183,9 @@ for path, d in docs:
                 problems.append(f"kustomization.yaml images: {name} must have newTag {version} (agent/version.h)")
         elif tag != version:
             problems.append(f"{path}: image {c['image']} is not the built version {version}")
+for path, image in pv_images:
+    if image.partition(":")[2] != version:
+        problems.append(f"{path}: serverImage {image} is not the built version {version}")
 for name, i in kust_images.items():
     if i.get("newTag") != version:
         problems.append(f"kustomization.yaml images: {name} newTag {i.get('newTag')} is not the built version {version}")
