@@ -151,6 +151,8 @@ void DefineMetrics(fusekeeper::Metrics& m) {
   m.Define("fusekeeper_kubelet_poll_errors_total", T::kCounter, "failed kubelet /pods polls");
   m.Define("fusekeeper_mount_table_changes_total", T::kCounter, "mount-table change notifications");
   m.Define("fusekeeper_server_pods", T::kGauge, "server pods this node's staged volumes want");
+  m.Define("fusekeeper_server_pod_info", T::kGauge,
+           "1 for each staged volume's server pod on this node: which image it runs (rolls show here)");
   m.Define("fusekeeper_server_pod_changes_total", T::kCounter,
            "server pods created, deleted, created again (deleted or evicted) and rolled, by what");
   m.Define("fusekeeper_server_pod_api_errors_total", T::kCounter, "failed API server requests about server pods");
@@ -273,6 +275,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     so.resync = absl::Milliseconds(FLAGS_server_pod_resync_ms);
+    so.driver_name = FLAGS_driver_name;
     server_pods = std::make_unique<fusekeeper::ServerPods>(*loop, *http_client, pool, *api_config, so,
                                                            fusekeeper::ServerPods::Events{});
     LOG(INFO) << "server pods of staged volumes go to namespace " << FLAGS_server_namespace;
@@ -349,6 +352,13 @@ int main(int argc, char** argv) {
     const auto& st = server_pods->stats();
     m.Set("fusekeeper_server_pods", "", static_cast<double>(server_pods->wanted().size()));
     using M = fusekeeper::Metrics;
+    m.ClearGauge("fusekeeper_server_pod_info");
+    for (const auto& [vid, w] : server_pods->wanted()) {
+      m.Set("fusekeeper_server_pod_info",
+            absl::StrCat(M::Label("volume", vid), ",", M::Label("image", w.spec.image()), ",",
+                         M::Label("pod", w.manifest.name)),
+            1);
+    }
     m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "created"), st.created);
     m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "deleted"), st.deleted);
     m.Set("fusekeeper_server_pod_changes_total", M::Label("what", "recreated"), st.recreated);

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "agent/serverpod/server_spec.h"
 #include "glog/logging.h"
 #include "simdjson.h"
 
@@ -83,6 +84,27 @@ absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_vie
   return out;
 }
 
+absl::StatusOr<std::vector<ListedVolume>> ParseVolumeList(absl::string_view json, const std::string& driver) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  if (parser.parse(json.data(), json.size()).get(doc) || !doc.is_object()) {
+    return absl::InvalidArgumentError("the PersistentVolume list is not a JSON object");
+  }
+  simdjson::dom::element e;
+  simdjson::dom::array items;
+  if (doc["items"].get(e) || e.is_null()) return std::vector<ListedVolume>{};
+  if (e.get_array().get(items)) return absl::InvalidArgumentError("the PersistentVolume list's items is not an array");
+  std::vector<ListedVolume> out;
+  for (simdjson::dom::element item : items) {
+    if (!item.is_object() || Str(item, "/spec/csi/driver") != driver) continue;
+    ListedVolume v;
+    v.volume_handle = Str(item, "/spec/csi/volumeHandle");
+    v.server_image = Str(item, Pointer("/metadata/annotations/", kServerImageAnnotation).c_str());
+    if (!v.volume_handle.empty()) out.push_back(std::move(v));
+  }
+  return out;
+}
+
 absl::StatusOr<std::string> ParsePodUid(absl::string_view json) {
   simdjson::dom::parser parser;
   simdjson::dom::element doc;
@@ -147,23 +169,63 @@ void ServerPods::Create(const std::string& volume_id, const state::ServerPod& sp
 }
 
 void ServerPods::Want(const std::string& volume_id, const state::ServerPod& spec, uint32_t uid, uint32_t gid) {
-  ServerPodManifest m = BuildServerPod(options_.settings, volume_id, spec, uid, gid);
-  auto it = wanted_.find(volume_id);
-  if (it != wanted_.end() && it->second.manifest.name == m.name) return;
   Wanted& w = wanted_[volume_id];
-  if (!w.manifest.name.empty()) {
-    LOG(INFO) << "volume " << volume_id << ": its server pod changes from " << w.manifest.name << " to " << m.name
-              << " (image " << spec.image() << "): rolling";
-  }
+  const bool fresh = w.volume_id.empty();
   w.volume_id = volume_id;
-  w.spec = spec;
   w.uid = uid;
   w.gid = gid;
+  if (!fresh && w.declared.SerializeAsString() == spec.SerializeAsString() && !w.manifest.name.empty()) return;
+  // An image annotation seen before (what runs differs from what was declared) stays in force.
+  const bool overridden = !fresh && !w.spec.image().empty() && w.spec.image() != w.declared.image();
+  state::ServerPod effective = spec;
+  if (overridden) effective.set_image(w.spec.image());
+  w.declared = spec;
+  SetSpec(w, effective);
+}
+
+void ServerPods::SetSpec(Wanted& w, const state::ServerPod& spec) {
+  ServerPodManifest m = BuildServerPod(options_.settings, w.volume_id, spec, w.uid, w.gid);
+  if (m.name == w.manifest.name) return;
+  if (!w.manifest.name.empty()) {
+    LOG(INFO) << "volume " << w.volume_id << ": its server pod changes from " << w.manifest.name << " to " << m.name
+              << " (image " << spec.image() << "): rolling";
+  }
+  w.spec = spec;
   w.manifest = std::move(m);
   w.pod_uid.clear();
+  w.created_once = false;
   auto known = w.pods.find(w.manifest.name);
   if (known != w.pods.end()) w.pod_uid = known->second;
   if (started_) ResyncSoon();
+}
+
+void ServerPods::ApplyOverrides(const std::vector<ListedVolume>& volumes) {
+  std::map<std::string, std::string> image_of;
+  for (const auto& v : volumes) image_of[v.volume_handle] = v.server_image;
+  for (auto& [vid, w] : wanted_) {
+    auto it = image_of.find(vid);
+    if (it == image_of.end()) continue;  // no PV of ours by that handle (yet): as it is
+    state::ServerPod effective = w.declared;
+    if (!it->second.empty()) {
+      if (auto s = CheckServerImage(it->second, absl::StrCat("annotation ", kServerImageAnnotation)); !s.ok()) {
+        if (events_.on_event && it->second != w.refused_image) {
+          events_.on_event(vid, "Warning", "ServerImageRefused",
+                           absl::StrCat("volume ", vid, ": its PersistentVolume's ", s.message(), "; the server stays ",
+                                        w.spec.image()));
+        }
+        w.refused_image = it->second;
+        continue;
+      }
+      effective.set_image(it->second);
+    }
+    if (effective.image() != w.spec.image() && events_.on_event) {
+      events_.on_event(vid, "Normal", "ServerPodRolling",
+                       absl::StrCat("volume ", vid, ": its server rolls from ", w.spec.image(), " to ",
+                                    effective.image(), " (PersistentVolume annotation ", kServerImageAnnotation,
+                                    it->second.empty() ? " removed)" : ")"));
+    }
+    SetSpec(w, effective);
+  }
 }
 
 void ServerPods::Post(const std::string& volume_id, absl::AnyInvocable<void(absl::Status)> done) {
@@ -174,7 +236,13 @@ void ServerPods::Post(const std::string& volume_id, absl::AnyInvocable<void(absl
   Send("POST", absl::StrCat("/api/v1/namespaces/", ns, "/pods"), w.manifest.json,
        [this, volume_id, name, ns, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
          auto it = wanted_.find(volume_id);
-         if (it != wanted_.end() && it->second.manifest.name == name) it->second.creating = false;
+         if (it != wanted_.end() && it->second.manifest.name == name) {
+           it->second.creating = false;
+           // Made (or found): missing from a later listing means deleted.
+           if (res.ok() && (res->status == 201 || res->status == 200 || res->status == 409)) {
+             it->second.created_once = true;
+           }
+         }
          const std::string what = absl::StrCat("server pod ", ns, "/", name, " of volume ", volume_id);
          if (!res.ok()) {
            ++stats_.api_errors;
@@ -281,6 +349,28 @@ void ServerPods::Resync() {
     return;
   }
   resyncing_ = true;
+  if (wanted_.empty()) return ListPods();
+  // resourceVersion=0: from the API server's cache, not etcd.
+  Send("GET", "/api/v1/persistentvolumes?resourceVersion=0", "", [this](absl::StatusOr<HttpResult> res) {
+    if (res.ok() && res->status == 200) {
+      auto volumes = ParseVolumeList(res->body, options_.driver_name);
+      if (volumes.ok()) {
+        ApplyOverrides(*volumes);
+      } else {
+        LOG(WARNING) << "the PersistentVolume list: " << volumes.status().message();
+      }
+    } else if (!pv_list_refused_) {
+      pv_list_refused_ = true;
+      LOG(WARNING) << "listing PersistentVolumes failed ("
+                   << (res.ok() ? absl::StrCat("HTTP ", res->status) : std::string(res.status().message()))
+                   << "): their " << kServerImageAnnotation
+                   << " annotations are not read, so no server rolls (RBAC: persistentvolumes list)";
+    }
+    ListPods();
+  });
+}
+
+void ServerPods::ListPods() {
   Send("GET",
        absl::StrCat("/api/v1/namespaces/", options_.settings.namespace_,
                     "/pods?labelSelector=", PercentEncode(NodeSelector(options_.settings))),

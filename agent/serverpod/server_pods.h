@@ -13,7 +13,9 @@
 //    unreachable, a crash) is deleted, but only after Start(), once every staged volume is known.
 //  - Roll: a volume that now wants another spec gets the new pod beside the old one; the old one
 //    is deleted once `standby_ready` says the new pod's server waits to take over (or, without
-//    that hook, once the new pod runs).
+//    that hook, once the new pod runs). What starts a roll: the annotation kServerImageAnnotation
+//    on the volume's PersistentVolume (read at each resync from the API server's cache), which
+//    names another image for its server; removing it rolls back to the image the volume declares.
 #pragma once
 
 #include <map>
@@ -46,8 +48,20 @@ absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_vie
 // The uid of a pod object (a POST's or GET's answer).
 absl::StatusOr<std::string> ParsePodUid(absl::string_view json);
 
+// On a PersistentVolume: the image its server pods run instead of the declared serverImage.
+inline constexpr char kServerImageAnnotation[] = "fusekeeper.io/server-image";
+
+// One PersistentVolume of ours, as far as rolls go.
+struct ListedVolume {
+  std::string volume_handle;
+  std::string server_image;  // kServerImageAnnotation; empty: none
+};
+// The PVs of `driver` in a PersistentVolumeList.
+absl::StatusOr<std::vector<ListedVolume>> ParseVolumeList(absl::string_view json, const std::string& driver);
+
 struct ServerPodsOptions {
   ServerPodSettings settings;
+  std::string driver_name = "fusekeeper.csi";  // whose PVs are ours
   absl::Duration resync = absl::Seconds(10);
   absl::Duration request_timeout = absl::Seconds(10);
 };
@@ -98,7 +112,8 @@ class ServerPods {
   // The pod the volume wants on this node: its name, and its uid once known.
   struct Wanted {
     std::string volume_id;
-    state::ServerPod spec;
+    state::ServerPod declared;  // as the volume declares it
+    state::ServerPod spec;      // what runs: declared, with the PV's image annotation applied
     uint32_t uid = 0, gid = 0;
     ServerPodManifest manifest;
     std::string pod_uid;  // of the pod with manifest.name, once known
@@ -107,6 +122,7 @@ class ServerPods {
     std::map<std::string, std::string> pods;
     bool creating = false;
     bool created_once = false;  // a pod of this name existed: missing now means deleted
+    std::string refused_image;  // an annotation's image found wrong (said once)
   };
   const std::map<std::string, Wanted>& wanted() const { return wanted_; }
   const Stats& stats() const { return stats_; }
@@ -118,6 +134,11 @@ class ServerPods {
   void Post(const std::string& volume_id, absl::AnyInvocable<void(absl::Status)> done);
   void Delete(const std::string& name, const std::string& volume_id, const std::string& why);
   void Resync();
+  void ListPods();
+  // The PVs' image annotations: a wanted volume whose effective image changes rolls.
+  void ApplyOverrides(const std::vector<ListedVolume>& volumes);
+  // Sets what runs for `w` (a new manifest: a roll at the next reconcile).
+  void SetSpec(Wanted& w, const state::ServerPod& spec);
   void Reconcile(const std::vector<ListedServerPod>& pods);
   void ScheduleResync(absl::Duration after);
   // Says on_pod of a pod of `w` not known yet.
@@ -138,6 +159,7 @@ class ServerPods {
   bool started_ = false;
   bool resyncing_ = false;
   bool resync_again_ = false;
+  bool pv_list_refused_ = false;  // said once
   TimerId timer_ = 0;
   Stats stats_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);

@@ -28,10 +28,20 @@ const std::string* Find(const google::protobuf::Map<std::string, std::string>& c
 }
 
 absl::Status CheckImage(const std::string& image) {
-  if (image.empty()) return Bad(kImage, "is empty");
-  if (image.size() > kMaxImage) return Bad(kImage, absl::StrCat("is longer than ", kMaxImage, " characters"));
+  if (auto s = CheckServerImage(image, "volume_context.serverImage"); !s.ok()) {
+    return absl::InvalidArgumentError(s.message());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckServerImage(const std::string& image, const std::string& what) {
+  auto Bad = [&what](absl::string_view why) { return absl::InvalidArgumentError(absl::StrCat(what, " ", why)); };
+  if (image.empty()) return Bad("is empty");
+  if (image.size() > kMaxImage) return Bad(absl::StrCat("is longer than ", kMaxImage, " characters"));
   for (unsigned char c : image) {
-    if (c <= ' ' || c >= 0x7f) return Bad(kImage, absl::StrCat("'", image, "' contains a space or control character"));
+    if (c <= ' ' || c >= 0x7f) return Bad(absl::StrCat("'", image, "' contains a space or control character"));
   }
   // A tag is a ':' after the last '/' (a registry's port comes before it); a digest is '@'.
   const size_t slash = image.rfind('/');
@@ -40,22 +50,24 @@ absl::Status CheckImage(const std::string& image) {
   if (at != std::string::npos) {
     const std::string_view digest = std::string_view(image).substr(at + 1);
     if (digest.substr(0, 7) != "sha256:" || digest.size() != 7 + 64) {
-      return Bad(kImage, absl::StrCat("'", image, "' has a digest that is not sha256:<64 hex digits>"));
+      return Bad(absl::StrCat("'", image, "' has a digest that is not sha256:<64 hex digits>"));
     }
     return absl::OkStatus();
   }
   const size_t colon = last.find(':');
   if (colon == std::string_view::npos || colon + 1 == last.size()) {
-    return Bad(kImage, absl::StrCat("'", image, "' names no tag or digest: give one (e.g. '", image,
-                                    ":1.2.3' or '@sha256:…'), so that every node runs the same server and a "
-                                    "change of it is a deliberate roll"));
+    return Bad(absl::StrCat("'", image, "' names no tag or digest: give one (e.g. '", image,
+                            ":1.2.3' or '@sha256:…'), so that every node runs the same server and a "
+                            "change of it is a deliberate roll"));
   }
   if (last.substr(colon + 1) == "latest") {
-    return Bad(kImage, absl::StrCat("'", image, "' uses the tag 'latest', which names no fixed image: give a "
-                                    "version or a digest"));
+    return Bad(absl::StrCat("'", image, "' uses the tag 'latest', which names no fixed image: give a "
+                            "version or a digest"));
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 absl::Status ParseStrings(const google::protobuf::Map<std::string, std::string>& ctx, const char* key,
                           google::protobuf::RepeatedPtrField<std::string>* out) {

@@ -30,6 +30,9 @@ bool DeclaresServerPod(const google::protobuf::Map<std::string, std::string>& vo
 absl::Status ParseServerPod(const google::protobuf::Map<std::string, std::string>& volume_context, bool has_uid,
                             uint32_t uid, uint32_t gid, state::ServerPod* pod);
 
+// An image reference with a tag (not "latest") or a sha256 digest. `what` names it in errors.
+absl::Status CheckServerImage(const std::string& image, const std::string& what);
+
 // A Kubernetes quantity without a sign ("50m", "64Mi", "1.5", "2G"). `what` names it in errors.
 absl::Status CheckQuantity(const std::string& value, const std::string& what);
 

@@ -148,10 +148,12 @@ class ServerPodsTest : public ::testing::Test {
   // Waits (on the double's log, no sleeping) until the store satisfies `pred`.
   template <typename Pred>
   bool WaitStore(Pred pred) {
-    for (int seen = kube_->requests();; ++seen) {
+    const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    for (int seen = kube_->requests(); std::chrono::steady_clock::now() < deadline; ++seen) {
       if (pred(Store())) return true;
-      if (!kube_->WaitForRequests(seen + 1)) return pred(Store());
+      if (!kube_->WaitForRequests(seen + 1)) break;
     }
+    return pred(Store());
   }
   ServerPods::Stats Stats() {
     ServerPods::Stats s;
@@ -312,6 +314,54 @@ TEST_F(ServerPodsTest, AnApiServerThatGoesAwayLeavesKnownPodsKnown) {
   EXPECT_EQ(said_.Count("gone"), 0) << said_.All();
   EXPECT_GE(Stats().api_errors, 1);
   EXPECT_EQ(Store().size(), 1u);
+}
+
+
+std::string PvList(const std::string& handle, const std::string& image, const std::string& driver = "fusekeeper.csi") {
+  std::string annotations = image.empty() ? "{}" : R"({"fusekeeper.io/server-image":")" + image + R"("})";
+  return R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv-x","annotations":)" + annotations +
+         R"(},"spec":{"csi":{"driver":")" + driver + R"(","volumeHandle":")" + handle + R"("}}}]})";
+}
+
+TEST(ParseVolumeListTest, ReadsOurPvsImageAnnotationsAndSkipsOthers) {
+  auto v = ParseVolumeList(PvList("vol-1", "team/fs:2"), "fusekeeper.csi");
+  ASSERT_TRUE(v.ok());
+  ASSERT_EQ(v->size(), 1u);
+  EXPECT_EQ((*v)[0].volume_handle, "vol-1");
+  EXPECT_EQ((*v)[0].server_image, "team/fs:2");
+  v = ParseVolumeList(PvList("vol-1", "team/fs:2", "other.csi"), "fusekeeper.csi");
+  ASSERT_TRUE(v.ok());
+  EXPECT_TRUE(v->empty());
+  EXPECT_FALSE(ParseVolumeList("[1,2]", "fusekeeper.csi").ok());
+}
+
+TEST_F(ServerPodsTest, APersistentVolumeAnnotationRollsTheServerAndABadOneIsRefused) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  const std::string old_name = NameFor("vol-1"), new_name = NameFor("vol-1", Spec("team/fs:2"));
+  // An image without a tag: refused with a Warning, nothing changes.
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "team/fs")}});
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerImageRefused")) << said_.All();
+  EXPECT_EQ(Store().size(), 1u);
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "team/fs:2")}});
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodRolling")) << said_.All();
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(new_name) > 0; })) << kube_->PodStore();
+  EXPECT_EQ(Store().count(old_name), 1u) << "kept until the new pod's server waits";
+  {
+    std::lock_guard<std::mutex> lock(ready_mu_);
+    ready_uids_.insert(Store()[new_name]);
+  }
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.size() == 1 && s.count(new_name); })) << kube_->PodStore();
+  // The annotation removed: back to the declared image, the same way.
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "")}});
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(old_name) > 0; })) << kube_->PodStore();
+  {
+    std::lock_guard<std::mutex> lock(ready_mu_);
+    ready_uids_.insert(Store()[old_name]);
+  }
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.size() == 1 && s.count(old_name); })) << kube_->PodStore();
+  EXPECT_EQ(Stats().rolled, 2);
 }
 
 }  // namespace

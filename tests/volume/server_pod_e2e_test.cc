@@ -79,10 +79,12 @@ class ServerPodE2ETest : public FuseE2ETest {
   // Waits (on the double's request log, no sleeping) until `pred(Pods())`.
   template <typename Pred>
   bool WaitPods(Pred pred) {
-    for (int seen = kube_->requests();; ++seen) {
+    const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
+    for (int seen = kube_->requests(); std::chrono::steady_clock::now() < deadline; ++seen) {
       if (pred(Pods())) return true;
-      if (!kube_->WaitForRequests(seen + 1)) return pred(Pods());
+      if (!kube_->WaitForRequests(seen + 1)) break;
     }
+    return pred(Pods());
   }
   // The kubelet's part: the pod's emptyDir, and its container, run as declared.
   Subprocess* RunPod(const PodSeen& pod) {
@@ -241,6 +243,49 @@ TEST_F(ServerPodE2ETest, WithoutAnApiServerAVolumeThatDeclaresAServerIsRefused) 
   EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
   EXPECT_TRUE(absl::StrContains(s.error_message(), "no API server")) << s.error_message();
   EXPECT_EQ(MountCountAt(Staging("pv-nocluster")), 0);
+}
+
+
+TEST_F(ServerPodE2ETest, APersistentVolumeAnnotationRollsTheServerPodWithoutAnError) {
+  StartAgentInCluster();
+  const std::string id = "pv-roll";
+  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
+  const PodSeen old_pod = Pods().at(0);
+  Subprocess* old_server = RunPod(old_pod);
+  const std::string t1 = Pod("app-1", id), t2 = Pod("app-2", id);
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t1, "app-1", "app-1").ok());
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t2, "app-2", "app-2").ok());
+  auto r1 = PodReader(t1, "hello.txt");
+  auto r2 = PodReader(t2, "hello.txt");
+  ASSERT_TRUE(r1->WaitForReadsOf("hello from the export\n")) << r1->setup_error() << old_server->Stderr();
+  ASSERT_TRUE(r2->WaitForReadsOf("hello from the export\n")) << r2->setup_error();
+
+  // kubectl annotate pv pv-roll fusekeeper.io/server-image=example.com/fkserve:2.0
+  kube_->SetObjects({{"/api/v1/persistentvolumes",
+                      R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv-roll","annotations":)"
+                      R"({"fusekeeper.io/server-image":"example.com/fkserve:2.0"}},"spec":{"csi":)"
+                      R"({"driver":"fusekeeper.csi","volumeHandle":"pv-roll"}}}]})"}});
+  ASSERT_TRUE(WaitPods([](const auto& p) { return p.size() == 2; })) << kube_->PodStore() << agent_->Stderr();
+  PodSeen new_pod;
+  for (const auto& p : Pods()) {
+    if (p.uid != old_pod.uid) new_pod = p;
+  }
+  EXPECT_EQ(new_pod.image, "example.com/fkserve:2.0");
+  // The old pod stays until the new one's server waits on standby; then it is deleted, and the
+  // kubelet stops its container.
+  Subprocess* new_server = RunPod(new_pod);
+  ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid == new_pod.uid; }))
+      << kube_->PodStore() << new_server->Stderr() << agent_->Stderr();
+  old_server->Signal(SIGTERM);
+  ASSERT_TRUE(old_server->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(agent_->WaitForStderr("on standby from " + new_pod.uid + " takes over", 1, kTestDeadline))
+      << agent_->Stderr();
+  r1->Mark();
+  r2->Mark();
+  ASSERT_TRUE(r1->WaitForReadsOf("hello from the export\n")) << new_server->Stderr() << agent_->Stderr();
+  ASSERT_TRUE(r2->WaitForReadsOf("hello from the export\n"));
+  EXPECT_EQ(r1->errors() + r2->errors(), 0) << "the roll cost no read";
+  EXPECT_TRUE(agent_->WaitForStderr("ServerPodRolled", 1, kTestDeadline));
 }
 
 }  // namespace
