@@ -171,6 +171,11 @@ int main(int argc, char** argv) {
     if (watch.valid()) inotify_add_watch(watch.get(), dir.c_str(), IN_CREATE | IN_MOVED_TO | IN_ATTRIB);
     bool said = false;
     for (;;) {
+      // Events so far are drained before the attempt, never after it: a change that lands
+      // between the attempt and the poll still wakes the poll.
+      char drain[4096];
+      while (watch.valid() && read(watch.get(), drain, sizeof(drain)) > 0) {
+      }
       sock.Reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
       if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) break;
       const int err = errno;
@@ -187,9 +192,6 @@ int main(int argc, char** argv) {
       }
       pollfd p{watch.get(), POLLIN, 0};
       poll(&p, watch.valid() ? 1 : 0, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
-      char drain[4096];
-      while (watch.valid() && read(watch.get(), drain, sizeof(drain)) > 0) {
-      }
     }
   }
   ucred cred{};

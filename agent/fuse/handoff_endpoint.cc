@@ -60,29 +60,39 @@ absl::StatusOr<UniqueFd> HandoffEndpoint::ListenBlocking(int dir_fd, const std::
   }
   UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!sock) return ErrnoStatus(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
-  const std::string via = absl::StrCat("/proc/self/fd/", dir_fd, "/", name);
+  // Made under a temporary name, given to its owner and listening before it is renamed into
+  // place: a server waiting for it (inotify) never meets it half made (refused, or not listening).
+  const std::string tmp = absl::StrCat(".", name, ".", getpid(), ".tmp");
+  const std::string via = absl::StrCat("/proc/self/fd/", dir_fd, "/", tmp);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (via.size() >= sizeof(addr.sun_path)) return absl::InvalidArgumentError("handoff socket name too long");
   std::memcpy(addr.sun_path, via.data(), via.size());
   // A socket file left by an earlier agent is ours to replace; anything else is refused.
   struct stat st;
-  if (fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
+  for (const std::string& n : {name, tmp}) {
+    if (fstatat(dir_fd, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISSOCK(st.st_mode)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "handoff socket path ", name, " exists and is not a socket; refusing to replace it"));
+          "handoff socket path ", n, " exists and is not a socket; refusing to replace it"));
     }
-    if (unlinkat(dir_fd, name.c_str(), 0) != 0) return ErrnoStatus(errno, "removing old handoff socket", name);
   }
+  unlinkat(dir_fd, tmp.c_str(), 0);
   // Created 0600 from its first instant (fchmod on a socket fd does not change the file).
   const mode_t old = umask(0177);
   int r = bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   umask(old);
   if (r != 0) return ErrnoStatus(errno, "bind handoff socket", name);
-  if (fchownat(dir_fd, name.c_str(), owner_uid, owner_gid, AT_SYMLINK_NOFOLLOW) != 0) {
-    return ErrnoStatus(errno, "chown handoff socket", name);
+  auto fail = [&](absl::Status s) {
+    unlinkat(dir_fd, tmp.c_str(), 0);
+    return s;
+  };
+  if (fchownat(dir_fd, tmp.c_str(), owner_uid, owner_gid, AT_SYMLINK_NOFOLLOW) != 0) {
+    return fail(ErrnoStatus(errno, "chown handoff socket", name));
   }
-  if (listen(sock.get(), 8) != 0) return ErrnoStatus(errno, "listen on handoff socket", name);
+  if (listen(sock.get(), 8) != 0) return fail(ErrnoStatus(errno, "listen on handoff socket", name));
+  if (renameat(dir_fd, tmp.c_str(), dir_fd, name.c_str()) != 0) {
+    return fail(ErrnoStatus(errno, "renaming the handoff socket into place", name));
+  }
   return sock;
 }
 

@@ -371,10 +371,11 @@ void ServerPods::Resync() {
 }
 
 void ServerPods::ListPods() {
+  const uint64_t listed_at = ++lists_;
   Send("GET",
        absl::StrCat("/api/v1/namespaces/", options_.settings.namespace_,
                     "/pods?labelSelector=", PercentEncode(NodeSelector(options_.settings))),
-       "", [this](absl::StatusOr<HttpResult> res) {
+       "", [this, listed_at](absl::StatusOr<HttpResult> res) {
          resyncing_ = false;
          absl::StatusOr<std::vector<ListedServerPod>> pods =
              !res.ok() ? absl::StatusOr<std::vector<ListedServerPod>>(res.status())
@@ -386,7 +387,7 @@ void ServerPods::ListPods() {
            LOG(WARNING) << "listing this node's server pods failed (" << pods.status().message()
                         << "); volumes keep being served, and the next resync tries again";
          } else {
-           Reconcile(*pods);
+           Reconcile(*pods, listed_at);
          }
          if (resync_again_) {
            resync_again_ = false;
@@ -399,6 +400,7 @@ void ServerPods::ListPods() {
 void ServerPods::Known(Wanted& w, const std::string& name, const std::string& uid) {
   auto [it, added] = w.pods.emplace(name, uid);
   if (!added && it->second == uid) return;
+  known_at_[name] = lists_;
   if (!added) {  // a pod of that name, made again: the old one is gone
     Gone(w, name);
     w.pods.emplace(name, uid);
@@ -412,11 +414,12 @@ void ServerPods::Gone(Wanted& w, const std::string& name) {
   if (it == w.pods.end()) return;
   const std::string uid = it->second;
   w.pods.erase(it);
+  known_at_.erase(name);
   if (name == w.manifest.name) w.pod_uid.clear();
   if (events_.on_pod_gone) events_.on_pod_gone(w.volume_id, name, uid);
 }
 
-void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods) {
+void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t listed_at) {
   std::map<std::string, const ListedServerPod*> by_name;
   for (const auto& p : pods) by_name[p.name] = &p;
   seen_.clear();
@@ -427,15 +430,22 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods) {
   };
   for (auto& [vid, w] : wanted_) {
     // Pods known before that are gone, going, or failed.
+    // (A pod learnt of after this list was asked for may be missing from it: no news.)
+    auto newer = [&](const std::string& name) {
+      auto at = known_at_.find(name);
+      return at != known_at_.end() && at->second >= listed_at;
+    };
     for (auto known = w.pods.begin(); known != w.pods.end();) {
       const std::string name = known->first, uid = known->second;
       ++known;
       auto listed = by_name.find(name);
-      if (listed == by_name.end() || listed->second->uid != uid || listed->second->terminating) Gone(w, name);
+      if (listed == by_name.end() ? !newer(name) : (listed->second->uid != uid || listed->second->terminating)) {
+        Gone(w, name);
+      }
     }
     auto it = by_name.find(w.manifest.name);
     if (it == by_name.end()) {
-      if (!w.creating) {
+      if (!w.creating && !newer(w.manifest.name)) {
         const bool again = w.created_once;
         w.created_once = true;
         if (again) ++stats_.recreated;

@@ -139,7 +139,8 @@ class ServerPods {
   void ApplyOverrides(const std::vector<ListedVolume>& volumes);
   // Sets what runs for `w` (a new manifest: a roll at the next reconcile).
   void SetSpec(Wanted& w, const state::ServerPod& spec);
-  void Reconcile(const std::vector<ListedServerPod>& pods);
+  // `listed_at`: the list's number (lists_ when it was asked for).
+  void Reconcile(const std::vector<ListedServerPod>& pods, uint64_t listed_at);
   void ScheduleResync(absl::Duration after);
   // Says on_pod of a pod of `w` not known yet.
   void Known(Wanted& w, const std::string& name, const std::string& uid);
@@ -160,6 +161,9 @@ class ServerPods {
   bool resyncing_ = false;
   bool resync_again_ = false;
   bool pv_list_refused_ = false;  // said once
+  uint64_t lists_ = 0;  // pod lists asked for
+  // By pod name: lists_ when the pod became known (a list asked for before cannot show it).
+  std::map<std::string, uint64_t> known_at_;
   TimerId timer_ = 0;
   Stats stats_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);

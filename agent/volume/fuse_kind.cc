@@ -451,6 +451,7 @@ void FuseKind::OnServerPodGone(const std::string& volume_id, const std::string& 
   LOG(INFO) << "volume " << volume_id << ": server pod " << pod_name << " (uid " << pod_uid << ") is gone";
   auto pods = server_pods_.find(volume_id);
   if (pods != server_pods_.end()) pods->second.erase(pod_uid);
+  pod_dir_waited_.erase(pod_uid);
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
   auto ep = endpoints_.find(EndpointKey(volume_id, v->staging_path()));
@@ -473,9 +474,15 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
   auto ep = endpoints_.find(EndpointKey(volume_id, path));
   if (ep == endpoints_.end()) return;
   const uint64_t serial = ep->second.serial;
+  // The kubelet makes the directory as it starts the pod, usually within seconds: looked for
+  // every pod_dir_retry for the first 10 s (a stat each), then less and less often.
   auto again = [this, volume_id, pod_uid, retry] {
     host_.loop().AddTimer(absl::ToChronoNanoseconds(retry), [this, volume_id, pod_uid, retry] {
-      AttachPodListener(volume_id, pod_uid, std::min(retry * 2, options_.max_pod_dir_retry));
+      auto& waited = pod_dir_waited_[pod_uid];
+      waited += retry;
+      const absl::Duration next =
+          waited < absl::Seconds(10) ? options_.pod_dir_retry : std::min(retry * 2, options_.max_pod_dir_retry);
+      AttachPodListener(volume_id, pod_uid, next);
     });
   };
   ClaimQueue::Claim claim = host_.TryClaim(volume_id);
@@ -494,6 +501,7 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
                       pods->second.count(pod_uid) > 0) {
                     ep->second.endpoint->AddListener(std::move(*fd), pod_uid);
                   }
+                  pod_dir_waited_.erase(pod_uid);
                   return VolumeChange::Keep();
                 });
               }},

@@ -56,9 +56,9 @@ struct FuseKindOptions {
   // Staged volumes that declare their server (volume_context serverImage) get a server pod on
   // this node through this (agent/serverpod); null: no API server, and such volumes are refused.
   ServerPods* server_pods = nullptr;
-  // How often a server pod's handoff emptyDir is looked for until the kubelet has made it
-  // (doubling up to the max).
-  absl::Duration pod_dir_retry = absl::Milliseconds(100);
+  // How often a server pod's handoff emptyDir is looked for until the kubelet has made it (for
+  // 10 s; then doubling up to the max).
+  absl::Duration pod_dir_retry = absl::Milliseconds(50);
   absl::Duration max_pod_dir_retry = absl::Seconds(5);
 };
 
@@ -142,6 +142,7 @@ class FuseKind final : public VolumeKind {
   std::map<std::string, absl::Duration> backoff_;  // per volume, after failed repairs
   // Server pods known to exist, per volume: uid → name.
   std::map<std::string, std::map<std::string, std::string>> server_pods_;
+  std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
 };
 
 }  // namespace fusekeeper
