@@ -10,7 +10,7 @@ export DEBIAN_FRONTEND=noninteractive
 if ! command -v clang++-14 >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.fuzzer-x86_64.a ]; then
   apt-get update -qq && apt-get install -y -qq --no-install-recommends clang-14 libclang-rt-14-dev
 fi
-bazel build //proto:csi_codegen >/dev/null
+bazel build //proto:csi_codegen //proto:state_codegen >/dev/null
 gen=$(bazel info bazel-bin 2>/dev/null)
 out=$(mktemp -d /tmp/fusekeeper-fuzz.XXXXXX)
 mkdir -p tests/fuzz/crashes
@@ -30,8 +30,11 @@ build admission_fuzz tests/fuzz/admission_fuzz.cc agent/webhook/admission.cc age
 RELAY="agent/fkserve/relay/relay_core.cc agent/fkserve/relay/node_table.cc agent/fkserve/relay/fuse_wire.cc agent/fkserve/relay/relay_state.cc"
 build relay_fuzz tests/fuzz/relay_fuzz.cc $RELAY
 build relay_state_fuzz tests/fuzz/relay_state_fuzz.cc $RELAY
+build server_pods_fuzz tests/fuzz/server_pods_fuzz.cc agent/serverpod/api_objects.cc agent/serverpod/pod_manifest.cc \
+  agent/serverpod/server_spec.cc agent/base/sha256.cc agent/fuse/handoff_protocol.cc agent/base/status.cc \
+  "$gen/proto/state.pb.cc" -lprotobuf -lsimdjson -lcrypto
 status=0
-for t in mountinfo handoff paths csi_request pod_list admission relay relay_state; do
+for t in mountinfo handoff paths csi_request pod_list admission relay relay_state server_pods; do
   corpus="$out/corpus-$t"
   mkdir -p "$corpus" && cp tests/fuzz/corpus/$t/* "$corpus/"
   echo "fuzzing $t for ${seconds}s"

@@ -32,32 +32,10 @@
 #include "agent/kubelet/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
+#include "agent/serverpod/api_objects.h"
 #include "agent/serverpod/pod_manifest.h"
 
 namespace fusekeeper {
-
-// One item of a PodList, as far as the agent reads it.
-struct ListedServerPod {
-  std::string name, uid, phase;
-  std::string volume_id;     // kVolumeAnnotation
-  std::string volume_label;  // kVolumeLabel: what tells the volume's pods
-  std::string spec_hash;  // kSpecLabel
-  bool terminating = false;  // deletionTimestamp set
-};
-absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_view json);
-// The uid of a pod object (a POST's or GET's answer).
-absl::StatusOr<std::string> ParsePodUid(absl::string_view json);
-
-// On a PersistentVolume: the image its server pods run instead of the declared serverImage.
-inline constexpr char kServerImageAnnotation[] = "fusekeeper.io/server-image";
-
-// One PersistentVolume of ours, as far as rolls go.
-struct ListedVolume {
-  std::string volume_handle;
-  std::string server_image;  // kServerImageAnnotation; empty: none
-};
-// The PVs of `driver` in a PersistentVolumeList.
-absl::StatusOr<std::vector<ListedVolume>> ParseVolumeList(absl::string_view json, const std::string& driver);
 
 struct ServerPodsOptions {
   ServerPodSettings settings;
