@@ -317,16 +317,22 @@ KindJob FuseKind::Unstage(const state::Volume& v) {
     options_.server_pods->Release(v.volume_id());
   }
   server_pods_.erase(v.volume_id());
-  return StateJob("NodeUnstageVolume",
-                  [ctx = host_.ops_context(), v]() -> absl::StatusOr<std::optional<state::Volume>> {
-                    if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(), StagingBase(v), v,
-                                                           false);
-                        !s.ok()) {
-                      return s;
-                    }
-                    if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
-                    return std::optional<state::Volume>();
-                  });
+  KindJob job = StateJob("NodeUnstageVolume",
+                         [ctx = host_.ops_context(), v]() -> absl::StatusOr<std::optional<state::Volume>> {
+                           if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(),
+                                                                  StagingBase(v), v, false);
+                               !s.ok()) {
+                             return s;
+                           }
+                           if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
+                           return std::optional<state::Volume>();
+                         });
+  if (options_.server_pods != nullptr && !v.fuse().server_pod().image().empty()) {
+    // Still staged after all (kubelet retries): its server is wanted again (made at the next resync).
+    job.undo = [this, vid = v.volume_id(), spec = v.fuse().server_pod(), uid = v.fuse().server_uid(),
+                gid = v.fuse().server_gid()] { options_.server_pods->Want(vid, spec, uid, gid); };
+  }
+  return job;
 }
 
 void FuseKind::Stats(const state::Volume& v, const std::string& path, const std::string& mount_path,
