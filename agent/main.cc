@@ -123,6 +123,10 @@ DEFINE_string(server_priority_class, "",
               "priorityClassName of server pods (e.g. one that is never preempted); empty: none");
 DEFINE_int32(server_pod_resync_ms, 10000,
              "how often the node's server pods are listed and made to agree with its staged volumes");
+DEFINE_string(server_seccomp_profile, "RuntimeDefault",
+              "server pods' seccomp profile: RuntimeDefault, Unconfined or Localhost/<profile>. containerd 2.0's "
+              "RuntimeDefault refuses io_uring, which `fkserve launch` (the relay) needs: there, use a Localhost "
+              "profile that allows io_uring_setup/enter/register, or Unconfined");
 DEFINE_string(server_cpu_request, "10m", "a server pod's cpu request when its volume names none");
 DEFINE_string(server_memory_request, "32Mi", "a server pod's memory request when its volume names none");
 DEFINE_int32(shutdown_grace_ms, 10000,
@@ -264,6 +268,12 @@ int main(int argc, char** argv) {
     so.settings.node = node_id;
     so.settings.priority_class = FLAGS_server_priority_class;
     so.settings.default_requests = {{"cpu", FLAGS_server_cpu_request}, {"memory", FLAGS_server_memory_request}};
+    so.settings.seccomp_profile = FLAGS_server_seccomp_profile;
+    if (const std::string problem = fusekeeper::SeccompProfileProblem(FLAGS_server_seccomp_profile);
+        !problem.empty()) {
+      LOG(ERROR) << "--server_seccomp_profile: " << problem;
+      return 2;
+    }
     for (const auto& [what, q] : so.settings.default_requests) {
       if (auto s = fusekeeper::CheckQuantity(q, "--server_" + what + "_request"); !s.ok()) {
         LOG(ERROR) << s.message();

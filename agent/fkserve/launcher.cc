@@ -419,7 +419,13 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
                              (*r)->restored_nodes(), " node(s), ", (*r)->restored_handles(), " open handle(s))");
       fprintf(stderr, "fkserve: %s\n", adopted.c_str());
     }
-    if (!r.ok()) return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message()));
+    if (!r.ok()) {
+      const bool no_ring = absl::StrContains(r.status().message(), "io_uring");
+      return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message(),
+                                  no_ring ? " (a seccomp profile that refuses io_uring, such as containerd 2.0's "
+                                            "RuntimeDefault? allow io_uring_setup/enter/register, or run with --direct)"
+                                          : ""));
+    }
     relay = std::move(*r);
   }
   auto connection_for_instance = [&](UniqueFd* holder) -> int {

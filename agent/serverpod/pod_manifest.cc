@@ -24,6 +24,23 @@ std::string QuantityMap(const std::map<std::string, std::string>& m) {
 
 }  // namespace
 
+std::string SeccompProfileProblem(const std::string& profile) {
+  if (profile == "RuntimeDefault" || profile == "Unconfined") return "";
+  if (profile.rfind("Localhost/", 0) == 0 && profile.size() > 10 && profile.find("..") == std::string::npos) return "";
+  return absl::StrCat("'", profile, "' is not RuntimeDefault, Unconfined or Localhost/<profile>");
+}
+
+namespace {
+
+std::string SeccompJson(const std::string& profile) {
+  if (profile.rfind("Localhost/", 0) == 0) {
+    return absl::StrCat(R"({"type":"Localhost","localhostProfile":)", JsonQuote(profile.substr(10)), "}");
+  }
+  return absl::StrCat(R"({"type":)", JsonQuote(profile), "}");
+}
+
+}  // namespace
+
 std::string VolumeLabelValue(const std::string& volume_id) { return Sha256Hex(volume_id).substr(0, 32); }
 std::string NodeLabelValue(const std::string& node) { return Sha256Hex(node).substr(0, 16); }
 
@@ -62,7 +79,7 @@ ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::s
     absl::StrAppend(&pod_spec, R"(,"priorityClassName":)", JsonQuote(settings.priority_class));
   }
   absl::StrAppend(&pod_spec, R"(,"securityContext":{"runAsNonRoot":true,"runAsUser":)", uid, R"(,"runAsGroup":)", gid,
-                  R"(,"seccompProfile":{"type":"RuntimeDefault"}})", R"(,"containers":[)", container, "]",
+                  R"(,"seccompProfile":)", SeccompJson(settings.seccomp_profile), "}", R"(,"containers":[)", container, "]",
                   R"(,"volumes":[{"name":)", JsonQuote(kHandoffVolume), R"(,"emptyDir":{"sizeLimit":"1Mi"}}]})");
   ServerPodManifest m;
   m.spec_hash = Sha256Hex(pod_spec).substr(0, 10);

@@ -42,7 +42,13 @@ struct ServerPodSettings {
   std::string priority_class;  // empty: none
   std::map<std::string, std::string> default_requests = {{"cpu", "10m"}, {"memory", "32Mi"}};
   int termination_grace_seconds = 30;
+  // The pod's seccomp profile: "RuntimeDefault", "Unconfined" or "Localhost/<profile path>".
+  // containerd 2.0's RuntimeDefault refuses io_uring, which `fkserve launch` relays on.
+  std::string seccomp_profile = "RuntimeDefault";
 };
+
+// Whether `profile` is a seccomp_profile above; empty: it is, else why not.
+std::string SeccompProfileProblem(const std::string& profile);
 
 struct ServerPodManifest {
   std::string name;

@@ -87,6 +87,20 @@ TEST(PodManifestTest, TheNameFollowsVolumeNodeAndSpecAndIsAValidName) {
   for (char c : a.name) EXPECT_TRUE((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-') << a.name;
 }
 
+TEST(PodManifestTest, TheSeccompProfileIsTheAgentsChoice) {
+  ServerPodSettings s = Settings();
+  simdjson::dom::parser parser;
+  EXPECT_EQ(Get(parser.parse(BuildServerPod(s, "v", Spec(), 1, 1).json), "/spec/securityContext/seccompProfile/type"),
+            "RuntimeDefault");
+  s.seccomp_profile = "Localhost/profiles/fk-io-uring.json";
+  simdjson::dom::element doc = parser.parse(BuildServerPod(s, "v", Spec(), 1, 1).json);
+  EXPECT_EQ(Get(doc, "/spec/securityContext/seccompProfile/type"), "Localhost");
+  EXPECT_EQ(Get(doc, "/spec/securityContext/seccompProfile/localhostProfile"), "profiles/fk-io-uring.json");
+  EXPECT_EQ(SeccompProfileProblem("Unconfined"), "");
+  EXPECT_NE(SeccompProfileProblem("runtime/default"), "");
+  EXPECT_NE(SeccompProfileProblem("Localhost/"), "");
+}
+
 TEST(PodManifestTest, TheNodeSelectorNamesTheNodesLabel) {
   EXPECT_EQ(NodeSelector(Settings()),
             "app.kubernetes.io/managed-by=fusekeeper,fusekeeper.io/node=" + NodeLabelValue("node-a"));
