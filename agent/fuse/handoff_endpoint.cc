@@ -306,6 +306,7 @@ void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
     LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << tag
               << " waits on standby until the serving server stops";
     standby_.push_back(TakeConnection(c));
+    if (events_.on_standby) events_.on_standby(tag);
     return;
   }
   if (serving_) {

@@ -65,6 +65,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     absl::AnyInvocable<void()> on_fresh_requested;
     // The kept connection was aborted (fusectl abort, or the kernel gave up on it). Loop thread.
     absl::AnyInvocable<void()> on_connection_aborted;
+    // A server arrived on listener `tag` and waits on standby (AddListener). Loop thread.
+    absl::AnyInvocable<void(const std::string& tag)> on_standby;
   };
 
   // Blocking (BlockingPool): creates the listening socket as `name` inside the directory

@@ -398,7 +398,11 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
     it->second.adoptions_seen = it->second.endpoint->adoptions();
     OnServed(vid, path, adopted);
   };
-  events.on_server_gone = [this, vid, path](const absl::Status& why) { OnServerGone(vid, path, why); };
+  events.on_server_gone = [this, vid, path](const absl::Status& why) {
+    OnServerGone(vid, path, why);
+    // Its server pod may have been deleted: made again without waiting for the next resync.
+    if (options_.server_pods != nullptr && server_pods_.count(vid) > 0) options_.server_pods->ResyncSoon();
+  };
   events.on_fresh_requested = [this, vid] {
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
@@ -418,6 +422,10 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
     if (ep != endpoints_.end() && ep->second.gave_up) return;  // a server that connects gets a fresh one
     RepairFuse(vid, "its FUSE connection was aborted");
   };
+  if (options_.server_pods != nullptr) {
+    // A new server pod's server waits to take over (a roll): the old pod can go now.
+    events.on_standby = [this](const std::string&) { options_.server_pods->ResyncSoon(); };
+  }
   HandoffOptions ho;
   ho.reply_timeout = options_.handoff_reply_timeout;
   ho.peer_uid = v.fuse().server_uid();
