@@ -135,14 +135,14 @@ void ServerPods::ApplyOverrides(const std::vector<ListedVolume>& volumes) {
 
 void ServerPods::Post(const std::string& volume_id, absl::AnyInvocable<void(absl::Status)> done) {
   Wanted& w = wanted_[volume_id];
-  w.creating = true;
   const std::string name = w.manifest.name;
+  creating_.insert(name);
   const std::string ns = options_.settings.namespace_;
   Send("POST", absl::StrCat("/api/v1/namespaces/", ns, "/pods"), w.manifest.json,
        [this, volume_id, name, ns, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
+         creating_.erase(name);
          auto it = wanted_.find(volume_id);
          if (it != wanted_.end() && it->second.manifest.name == name) {
-           it->second.creating = false;
            // Made (or found): missing from a later listing means deleted.
            if (res.ok() && (res->status == 201 || res->status == 200 || res->status == 409)) {
              it->second.created_once = true;
@@ -350,7 +350,7 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
     }
     auto it = by_name.find(w.manifest.name);
     if (it == by_name.end()) {
-      if (!w.creating && !newer(w.manifest.name)) {
+      if (creating_.count(w.manifest.name) == 0 && !newer(w.manifest.name)) {
         const bool again = w.created_once;
         w.created_once = true;
         if (again) ++stats_.recreated;

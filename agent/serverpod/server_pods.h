@@ -98,7 +98,6 @@ class ServerPods {
     // Every pod of the volume known to exist, by name → uid: the wanted one and, during a roll,
     // the one it replaces. on_pod has been said of each, on_pod_gone not yet.
     std::map<std::string, std::string> pods;
-    bool creating = false;
     bool created_once = false;  // a pod of this name existed: missing now means deleted
     std::string refused_image;  // an annotation's image found wrong (said once)
   };
@@ -135,6 +134,7 @@ class ServerPods {
   // Pods seen in the last listing, by name (to tell a pod that went away).
   std::map<std::string, ListedServerPod> seen_;
   std::set<std::string> deleting_;  // names with a DELETE in flight
+  std::set<std::string> creating_;  // names with a POST in flight
   bool started_ = false;
   bool resyncing_ = false;
   bool resync_again_ = false;

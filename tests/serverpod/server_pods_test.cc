@@ -364,5 +364,23 @@ TEST_F(ServerPodsTest, APersistentVolumeAnnotationRollsTheServerAndABadOneIsRefu
   EXPECT_EQ(Stats().rolled, 2);
 }
 
+
+// Seen on a real kubelet: the PV's image annotation arrived while NodeStage's POST of the declared
+// pod was in flight; the pod the volume then wanted was never made (a 'creating' flag of the
+// volume, not of the pod, stayed set).
+TEST_F(ServerPodsTest, ASpecChangeWhileTheFirstPodIsBeingCreatedStillGetsItsPod) {
+  Make();
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  std::promise<absl::Status> created;
+  lt_.RunOnLoop([&] {
+    pods_->Create("vol-1", Spec(), 1000, 1000, [&](absl::Status s) { created.set_value(s); });
+    pods_->Want("vol-1", Spec("team/fs:2"), 1000, 1000);  // before the POST's answer
+  });
+  auto f = created.get_future();
+  ASSERT_EQ(f.wait_for(kTestDeadline), std::future_status::ready);
+  const std::string new_name = NameFor("vol-1", Spec("team/fs:2"));
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(new_name) > 0; })) << kube_->PodStore();
+}
+
 }  // namespace
 }  // namespace fusekeeper
