@@ -238,7 +238,8 @@ bool HandoffEndpoint::HasServerFrom(const std::string& tag) const {
 }
 
 void HandoffEndpoint::PromoteStandby() {
-  while (!standby_.empty() && !stopped_ && !serving_) {
+  // Awaiting a re-deposit (after an agent restart), standbys wait for it or its fallback timer.
+  while (!standby_.empty() && !stopped_ && !serving_ && !restored_) {
     std::unique_ptr<Connection> c = std::move(standby_.front());
     standby_.pop_front();
     // One that hung up while it waited is dropped (nothing reads from it while it waits).
@@ -259,6 +260,8 @@ void HandoffEndpoint::PromoteStandby() {
 void HandoffEndpoint::Stop() {
   if (stopped_) return;
   stopped_ = true;
+  if (standby_fallback_ != 0) loop_.CancelTimer(standby_fallback_);
+  standby_fallback_ = 0;
   loop_.Cancel(&accept_);
   for (auto& l : listeners_) {
     l->closed = true;
@@ -296,6 +299,11 @@ void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
                      absl::StrCat("uid ", cred.uid, " may not serve volume ", config_.volume_id,
                                   " (expected uid ", *options_.peer_uid, ")"));
   }
+  Route(c);
+}
+
+void HandoffEndpoint::Route(Connection* c) {
+  const std::string tag = c->tag;
   if (serving_ && !tag.empty() && (serving_connection_ == nullptr || serving_connection_->tag != tag)) {
     // A server pod's server while another pod's serves (a roll): it waits to take over.
     constexpr size_t kMaxStandby = 4;
@@ -501,7 +509,28 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
     if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
     if (res == -ECANCELED) {
-      if (!restored_) return SendOffer(c, /*refuse=*/false, "");  // a connection arrived meanwhile
+      if (!restored_) return Route(c);  // a connection was re-deposited meanwhile (by another server)
+      if (!c->tag.empty()) {
+        // A server pod's server with nothing to re-deposit, after an agent restart: another pod's
+        // server (the one a roll replaces) may be serving and about to re-deposit. It waits on
+        // standby; if nobody re-deposits within standby_redeposit_wait, it gets a fresh connection.
+        LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << c->tag
+                  << " has nothing to re-deposit: it waits on standby for the serving server to re-deposit or stop";
+        standby_.push_back(TakeConnection(c));
+        if (events_.on_standby) events_.on_standby(standby_.back()->tag);
+        if (standby_fallback_ == 0) {
+          standby_fallback_ = loop_.AddTimer(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
+            standby_fallback_ = 0;
+            if (stopped_ || !restored_ || serving_ || standby_.empty()) return;
+            LOG(INFO) << "volume " << config_.volume_id << ": no server re-deposited its connection within "
+                      << absl::FormatDuration(options_.standby_redeposit_wait) << "; a server on standby gets a fresh one";
+            parked_.push_back(std::move(standby_.front()));
+            standby_.pop_front();
+            if (events_.on_fresh_requested) events_.on_fresh_requested();
+          });
+        }
+        return;
+      }
       // Silent: a server that waits for its config (one that serves nothing yet, or a v1 server).
       LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " did not re-deposit a "
                 << "connection within " << absl::FormatDuration(options_.redeposit_wait)

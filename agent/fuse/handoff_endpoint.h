@@ -47,6 +47,9 @@ struct HandoffOptions {
   // a fresh one; and the connection (the mount's device minor) a re-deposited fd must be on.
   absl::Duration redeposit_wait = absl::Seconds(1);
   std::optional<uint32_t> expected_connection;
+  // Started without a connection: a server pod's server (AddListener) with nothing to re-deposit
+  // waits this long on standby for another pod's server to re-deposit before it gets a fresh one.
+  absl::Duration standby_redeposit_wait = absl::Seconds(10);
 };
 
 class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
@@ -143,7 +146,10 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void ArmAccept();
   void ArmExtraAccept(Listener* l);
   void OnAccepted(int fd, const std::string& tag = "");
-  // What to do with a server whose uid has been checked: offer, park, or wait for a re-deposit.
+  // A server whose uid has been checked: on standby (a server pod's, while another pod's serves),
+  // refused (while one serves), or admitted.
+  void Route(Connection* c);
+  // What to do with a server nobody else serves before: offer, park, or wait for a re-deposit.
   void Admit(Connection* c);
   // The serving server has gone: the first standby server still connected takes over.
   void PromoteStandby();
@@ -183,6 +189,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::string init_record_;  // the FUSE_INIT the first server of this connection reported
   std::vector<std::unique_ptr<Listener>> listeners_;  // AddListener's; closed ones until their accept ends
   std::deque<std::unique_ptr<Connection>> standby_;  // servers waiting for the serving one to stop
+  TimerId standby_fallback_ = 0;
   UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
   std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;

@@ -348,6 +348,15 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
         Gone(w, name);
       }
     }
+    // Every live pod of the volume is known, not only the one it wants: the one a roll replaces
+    // may be the one serving (after an agent restart, its server re-deposits through it).
+    const std::string label = VolumeLabelValue(vid);
+    for (const auto& other : pods) {
+      if (other.volume_label == label && other.name != w.manifest.name && !other.terminating &&
+          other.phase != "Failed" && other.phase != "Succeeded") {
+        Known(w, other.name, other.uid);
+      }
+    }
     auto it = by_name.find(w.manifest.name);
     if (it == by_name.end()) {
       if (creating_.count(w.manifest.name) == 0 && !newer(w.manifest.name)) {
@@ -380,7 +389,6 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
     // A roll: the volume's other pods go once the new one's server waits to take over.
     const bool ready = events_.standby_ready ? events_.standby_ready(vid, p.uid) : p.phase == "Running";
     if (!ready) continue;
-    const std::string label = VolumeLabelValue(vid);
     for (const auto& other : pods) {
       if (other.volume_label != label || other.name == p.name || other.terminating) continue;
       ++stats_.rolled;

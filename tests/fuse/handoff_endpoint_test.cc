@@ -71,6 +71,7 @@ class HandoffEndpointTest : public ::testing::Test {
         errors_.push_back(s);
         if (error_waiter_) std::exchange(error_waiter_, nullptr)->set_value(s);
       };
+      events.on_fresh_requested = [this] { ++fresh_requested_; };
       endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(dup_fd), config_,
                                          options, std::move(events));
     });
@@ -93,6 +94,7 @@ class HandoffEndpointTest : public ::testing::Test {
   std::vector<absl::Status> errors_;
   std::shared_ptr<std::promise<absl::Status>> error_waiter_;
   std::vector<absl::Status> gone_;
+  int fresh_requested_ = 0;
   std::shared_ptr<std::promise<absl::Status>> gone_waiter_;
 
   std::future<absl::Status> NextGone() {
@@ -539,6 +541,36 @@ TEST_F(StandbyTest, AStandbyThatHungUpIsSkippedAndARemovedListenerDropsItsStandb
   auto mc = ReceiveHandoffMessage(sc.get());
   ASSERT_TRUE(mc.ok() && mc->fd.valid()) << mc.status();
   EXPECT_TRUE(DecodeMountConfig(mc->payload)->live);
+}
+
+
+// After an agent restart (no connection kept), a new server pod's server that has nothing to
+// re-deposit waits on standby instead of asking for a fresh connection at once: the old pod's
+// server may be about to re-deposit the live one. Only if none does within the bound does it get
+// a fresh connection.
+TEST_F(StandbyTest, AfterAnAgentRestartANewPodsServerWaitsForTheOldOnesReDepositBeforeAFreshConnection) {
+  HandoffOptions o;
+  o.redeposit_wait = absl::Milliseconds(20);
+  o.standby_redeposit_wait = absl::Milliseconds(300);
+  StartEndpoint(o, /*with_connection=*/false);
+  AddPodListener("pod-new");
+  UniqueFd s = Connect(dir_.path() + "/pod-new");
+  ASSERT_TRUE(WaitStandby(1));
+  int fresh = -1;
+  lt_.RunOnLoop([&] { fresh = fresh_requested_; });
+  EXPECT_EQ(fresh, 0) << "not yet: the serving server may re-deposit";
+  // Nobody re-deposits: the standby is parked for a fresh connection (the owner makes one).
+  for (int i = 0; i < 200000 && fresh == 0; ++i) lt_.RunOnLoop([&] { fresh = fresh_requested_; });
+  EXPECT_EQ(fresh, 1);
+  lt_.RunOnLoop([&] { EXPECT_EQ(endpoint_->standby(), 0u); });
+  // A fresh connection goes to it.
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  close(p[1]);
+  lt_.RunOnLoop([&] { endpoint_->ReplaceConnection(UniqueFd(p[0])); });
+  auto m = ReceiveHandoffMessage(s.get());
+  ASSERT_TRUE(m.ok() && m->fd.valid()) << m.status();
+  EXPECT_FALSE(DecodeMountConfig(m->payload)->live);
 }
 
 }  // namespace

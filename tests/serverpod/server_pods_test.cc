@@ -382,5 +382,25 @@ TEST_F(ServerPodsTest, ASpecChangeWhileTheFirstPodIsBeingCreatedStillGetsItsPod)
   ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(new_name) > 0; })) << kube_->PodStore();
 }
 
+
+// After an agent restart in the middle of a roll, the pod being replaced is known too: its server
+// may be the one serving, and must be able to re-deposit through its emptyDir.
+TEST_F(ServerPodsTest, AfterARestartMidRollBothPodsOfTheVolumeAreKnown) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  const std::string old_name = NameFor("vol-1"), new_name = NameFor("vol-1", Spec("team/fs:2"));
+  ASSERT_TRUE(Create("vol-1", Spec("team/fs:2")).ok());
+  ASSERT_EQ(Store().size(), 2u);
+  Make();  // the agent restarts, wanting the new spec
+  lt_.RunOnLoop([&] {
+    pods_->Want("vol-1", Spec("team/fs:2"), 1000, 1000);
+    pods_->Start();
+  });
+  auto store = Store();
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + new_name + " " + store[new_name], 2)) << said_.All();
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + old_name + " " + store[old_name], 2)) << said_.All();
+  EXPECT_EQ(Store().size(), 2u) << "the old one stays until the new one's server waits";
+}
+
 }  // namespace
 }  // namespace fusekeeper

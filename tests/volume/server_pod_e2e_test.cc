@@ -288,5 +288,50 @@ TEST_F(ServerPodE2ETest, APersistentVolumeAnnotationRollsTheServerPodWithoutAnEr
   EXPECT_TRUE(agent_->WaitForStderr("ServerPodRolled", 1, kTestDeadline));
 }
 
+
+// Seen on a real kubelet: the agent restarted while its PV carried a new image; the new agent
+// made the new pod at once, whose server connected before the old pod's server had re-deposited
+// the live connection: it was given a fresh one, and every open file and working directory in
+// the pods died (ENOTCONN). Now the new pod's server waits for the old one's re-deposit, and the
+// roll goes on from there without an error.
+TEST_F(ServerPodE2ETest, AnAgentRestartMidRollKeepsTheLiveConnection) {
+  StartAgentInCluster();
+  const std::string id = "pv-restart-roll";
+  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
+  const PodSeen old_pod = Pods().at(0);
+  Subprocess* old_server = RunPod(old_pod);
+  const std::string t = Pod("app-1", id);
+  ASSERT_TRUE(PublishStaged(id, Staging(id), t, "app-1", "app-1").ok());
+  auto r = PodReader(t, "hello.txt");
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << r->setup_error() << old_server->Stderr();
+
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  kube_->SetObjects({{"/api/v1/persistentvolumes",
+                      R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv","annotations":)"
+                      R"({"fusekeeper.io/server-image":"example.com/fkserve:2.0"}},"spec":{"csi":)"
+                      R"({"driver":"fusekeeper.csi","volumeHandle":"pv-restart-roll"}}}]})"}});
+  StartAgent({"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system", "--server_pod_resync_ms=100",
+              "--server_gone_grace_ms=60000", "--redeposit_wait_ms=100"});
+  // The new pod is made; its server starts at once, possibly before the old one re-deposits.
+  ASSERT_TRUE(WaitPods([](const auto& p) { return p.size() == 2; })) << kube_->PodStore() << agent_->Stderr();
+  PodSeen new_pod;
+  for (const auto& p : Pods()) {
+    if (p.uid != old_pod.uid) new_pod = p;
+  }
+  Subprocess* new_server = RunPod(new_pod);
+  ASSERT_TRUE(agent_->WaitForStderr("re-deposited its live FUSE connection", 1, kTestDeadline)) << agent_->Stderr();
+  ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid == new_pod.uid; }))
+      << kube_->PodStore() << new_server->Stderr() << agent_->Stderr();
+  old_server->Signal(SIGTERM);
+  ASSERT_TRUE(old_server->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(agent_->WaitForStderr("on standby from " + new_pod.uid + " takes over", 1, kTestDeadline))
+      << agent_->Stderr();
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << new_server->Stderr() << agent_->Stderr();
+  EXPECT_EQ(r->errors(), 0);
+  EXPECT_EQ(agent_->CountInStderr("fresh FUSE connection mounted"), 0) << agent_->Stderr();
+}
+
 }  // namespace
 }  // namespace fusekeeper
