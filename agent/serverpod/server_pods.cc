@@ -314,7 +314,7 @@ void ServerPods::Known(Wanted& w, const std::string& name, const std::string& ui
   if (events_.on_pod) events_.on_pod(w.volume_id, name, uid);
 }
 
-void ServerPods::Gone(Wanted& w, const std::string& name) {
+void ServerPods::Gone(Wanted& w, std::string name) {  // by value: callers pass keys of w.pods
   auto it = w.pods.find(name);
   if (it == w.pods.end()) return;
   const std::string uid = it->second;

@@ -122,7 +122,7 @@ class ServerPods {
   // Says on_pod of a pod of `w` not known yet.
   void Known(Wanted& w, const std::string& name, const std::string& uid);
   // Says on_pod_gone of a known pod of `w`.
-  void Gone(Wanted& w, const std::string& name);
+  void Gone(Wanted& w, std::string name);
 
   Loop& loop_;
   HttpClient& http_;

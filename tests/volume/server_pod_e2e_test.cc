@@ -39,8 +39,7 @@ class ServerPodE2ETest : public FuseE2ETest {
   }
   void StartAgentInCluster() {
     StartKube();
-    StartAgent({"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system", "--server_pod_resync_ms=100",
-                "--server_gone_grace_ms=60000"});
+    RestartAgent();
   }
 
   struct PodSeen {
@@ -110,6 +109,55 @@ class ServerPodE2ETest : public FuseE2ETest {
     return servers_.back().get();
   }
 
+  // Volume `id` staged with its declared server, the pod's server running, published into pod
+  // "app-1" and read there.
+  struct Served {
+    PodSeen pod;
+    Subprocess* server = nullptr;
+    std::string target;
+    std::unique_ptr<Reader> reader;
+  };
+  Served StageServeAndRead(const std::string& id) {
+    Served out;
+    grpc::Status s = Stage(id, ServerContext());
+    EXPECT_TRUE(s.ok()) << s.error_message() << agent_->Stderr();
+    auto pods = Pods();
+    EXPECT_EQ(pods.size(), 1u) << kube_->PodStore();
+    if (pods.empty()) return out;
+    out.pod = pods[0];
+    out.server = RunPod(out.pod);
+    out.target = Pod("app-1", id);
+    EXPECT_TRUE(PublishStaged(id, Staging(id), out.target, "app-1", "app-1").ok());
+    out.reader = PodReader(out.target, "hello.txt");
+    EXPECT_TRUE(out.reader->WaitForReadsOf("hello from the export\n"))
+        << out.reader->setup_error() << out.server->Stderr() << agent_->Stderr();
+    return out;
+  }
+  void KillAgent() {
+    agent_->Signal(SIGKILL);
+    ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  }
+  void RestartAgent(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system",
+                                      "--server_pod_resync_ms=100", "--server_gone_grace_ms=60000"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    StartAgent(flags);
+  }
+  // kubectl annotate pv <pv> fusekeeper.io/server-image=<image>, as the double answers PV lists.
+  void AnnotatePv(const std::string& handle, const std::string& image) {
+    kube_->SetObjects({{"/api/v1/persistentvolumes",
+                        R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv","annotations":)"
+                        R"({"fusekeeper.io/server-image":")" + image + R"("}},"spec":{"csi":)"
+                        R"({"driver":"fusekeeper.csi","volumeHandle":")" + handle + R"("}}}]})"}});
+  }
+  // The pod the agent made beside `old` (a roll).
+  PodSeen OtherPod(const PodSeen& old) {
+    for (const auto& p : Pods()) {
+      if (p.uid != old.uid) return p;
+    }
+    return {};
+  }
+
   std::map<std::string, std::string> staging_;
   int pods_run_ = 0;
 };
@@ -153,14 +201,11 @@ TEST_F(ServerPodE2ETest, StageMakesTheServerPodItsServerServesEveryPodAndUnstage
 
 TEST_F(ServerPodE2ETest, ADeletedServerPodIsMadeAgainAndItsServerTakesOverWithoutAnError) {
   StartAgentInCluster();
-  const std::string id = "pv-deleted";
-  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
-  const PodSeen first = Pods().at(0);
-  Subprocess* server = RunPod(first);
-  const std::string t = Pod("app-1", id);
-  ASSERT_TRUE(PublishStaged(id, Staging(id), t, "app-1", "app-1").ok());
-  auto r = PodReader(t, "hello.txt");
-  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << r->setup_error() << server->Stderr();
+  Served v = StageServeAndRead("pv-deleted");
+  ASSERT_NE(v.server, nullptr);
+  const PodSeen first = v.pod;
+  Subprocess* server = v.server;
+  auto& r = v.reader;
 
   // kubectl delete pod: the API server forgets it, the kubelet stops its container.
   ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + first.name), 200);
@@ -178,19 +223,14 @@ TEST_F(ServerPodE2ETest, ADeletedServerPodIsMadeAgainAndItsServerTakesOverWithou
 
 TEST_F(ServerPodE2ETest, AnAgentRestartFindsItsServerPodAndMakesNoOther) {
   StartAgentInCluster();
-  const std::string id = "pv-restart";
-  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
-  const PodSeen pod = Pods().at(0);
-  Subprocess* server = RunPod(pod);
-  const std::string t = Pod("app-1", id);
-  ASSERT_TRUE(PublishStaged(id, Staging(id), t, "app-1", "app-1").ok());
-  auto r = PodReader(t, "hello.txt");
-  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << r->setup_error() << server->Stderr();
+  Served v = StageServeAndRead("pv-restart");
+  ASSERT_NE(v.server, nullptr);
+  const PodSeen pod = v.pod;
+  Subprocess* server = v.server;
+  auto& r = v.reader;
 
-  agent_->Signal(SIGKILL);
-  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
-  StartAgent({"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system", "--server_pod_resync_ms=100",
-              "--server_gone_grace_ms=60000"});
+  KillAgent();
+  RestartAgent();
   // It lists its pods and leaves this one be; the server re-deposits the live connection.
   ASSERT_TRUE(kube_->WaitForRequest("GET /api/v1/namespaces/fk-system/pods?labelSelector="));
   ASSERT_TRUE(kube_->WaitForRequests(kube_->requests() + 5));
@@ -260,16 +300,9 @@ TEST_F(ServerPodE2ETest, APersistentVolumeAnnotationRollsTheServerPodWithoutAnEr
   ASSERT_TRUE(r1->WaitForReadsOf("hello from the export\n")) << r1->setup_error() << old_server->Stderr();
   ASSERT_TRUE(r2->WaitForReadsOf("hello from the export\n")) << r2->setup_error();
 
-  // kubectl annotate pv pv-roll fusekeeper.io/server-image=example.com/fkserve:2.0
-  kube_->SetObjects({{"/api/v1/persistentvolumes",
-                      R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv-roll","annotations":)"
-                      R"({"fusekeeper.io/server-image":"example.com/fkserve:2.0"}},"spec":{"csi":)"
-                      R"({"driver":"fusekeeper.csi","volumeHandle":"pv-roll"}}}]})"}});
+  AnnotatePv("pv-roll", "example.com/fkserve:2.0");
   ASSERT_TRUE(WaitPods([](const auto& p) { return p.size() == 2; })) << kube_->PodStore() << agent_->Stderr();
-  PodSeen new_pod;
-  for (const auto& p : Pods()) {
-    if (p.uid != old_pod.uid) new_pod = p;
-  }
+  const PodSeen new_pod = OtherPod(old_pod);
   EXPECT_EQ(new_pod.image, "example.com/fkserve:2.0");
   // The old pod stays until the new one's server waits on standby; then it is deleted, and the
   // kubelet stops its container.
@@ -296,29 +329,18 @@ TEST_F(ServerPodE2ETest, APersistentVolumeAnnotationRollsTheServerPodWithoutAnEr
 // roll goes on from there without an error.
 TEST_F(ServerPodE2ETest, AnAgentRestartMidRollKeepsTheLiveConnection) {
   StartAgentInCluster();
-  const std::string id = "pv-restart-roll";
-  ASSERT_TRUE(Stage(id, ServerContext()).ok()) << agent_->Stderr();
-  const PodSeen old_pod = Pods().at(0);
-  Subprocess* old_server = RunPod(old_pod);
-  const std::string t = Pod("app-1", id);
-  ASSERT_TRUE(PublishStaged(id, Staging(id), t, "app-1", "app-1").ok());
-  auto r = PodReader(t, "hello.txt");
-  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << r->setup_error() << old_server->Stderr();
+  Served v = StageServeAndRead("pv-restart-roll");
+  ASSERT_NE(v.server, nullptr);
+  const PodSeen old_pod = v.pod;
+  Subprocess* old_server = v.server;
+  auto& r = v.reader;
 
-  agent_->Signal(SIGKILL);
-  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
-  kube_->SetObjects({{"/api/v1/persistentvolumes",
-                      R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv","annotations":)"
-                      R"({"fusekeeper.io/server-image":"example.com/fkserve:2.0"}},"spec":{"csi":)"
-                      R"({"driver":"fusekeeper.csi","volumeHandle":"pv-restart-roll"}}}]})"}});
-  StartAgent({"--kube_secrets_dir=" + secrets_, "--server_namespace=fk-system", "--server_pod_resync_ms=100",
-              "--server_gone_grace_ms=60000", "--redeposit_wait_ms=100"});
+  KillAgent();
+  AnnotatePv("pv-restart-roll", "example.com/fkserve:2.0");
+  RestartAgent({"--redeposit_wait_ms=100"});
   // The new pod is made; its server starts at once, possibly before the old one re-deposits.
   ASSERT_TRUE(WaitPods([](const auto& p) { return p.size() == 2; })) << kube_->PodStore() << agent_->Stderr();
-  PodSeen new_pod;
-  for (const auto& p : Pods()) {
-    if (p.uid != old_pod.uid) new_pod = p;
-  }
+  const PodSeen new_pod = OtherPod(old_pod);
   Subprocess* new_server = RunPod(new_pod);
   ASSERT_TRUE(agent_->WaitForStderr("re-deposited its live FUSE connection", 1, kTestDeadline)) << agent_->Stderr();
   ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid == new_pod.uid; }))
