@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/testing/api_client_test.h"
 #include "tests/testing/fake_kube.h"
 #include "tests/testing/loop_thread.h"
 #include <filesystem>
@@ -14,41 +15,11 @@
 namespace fusekeeper {
 namespace {
 
-// A temporary directory, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    char t[] = "/tmp/fk-kube-XXXXXX";
-    path_ = mkdtemp(t);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-class EventRecorderTest : public ::testing::Test {
+class EventRecorderTest : public ApiClientTest {
  protected:
-  void SetUp() override {
-    kube_ = std::make_unique<FakeKube>(dir_.path());
-    ASSERT_TRUE(kube_->ok()) << kube_->Diagnostics();
-    { std::ofstream(dir_.path() + "/token") << "secret-token\n"; }
-    pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
-    lt_.RunOnLoop([&] {
-      auto h = HttpClient::Create(lt_.loop());
-      ASSERT_TRUE(h.ok());
-      http_ = std::move(*h);
-    });
-  }
-  void TearDown() override {
-    lt_.RunOnLoop([&] { recorder_.reset(); });
-    pool_->Shutdown(absl::Seconds(5));
-    lt_.StopAndJoin();
-    http_.reset();
-  }
+  void DestroyClient() override { recorder_.reset(); }
   void MakeRecorder(EventRecorderOptions o = {}) {
-    KubeApiConfig api{kube_->url(), dir_.path() + "/token", kube_->ca_file(), false};
+    KubeApiConfig api = Api();
     o.host = "node-1";
     o.first_backoff = absl::Milliseconds(20);
     lt_.RunOnLoop([&] { recorder_ = std::make_unique<EventRecorder>(lt_.loop(), *http_, *pool_, api, o); });
@@ -69,11 +40,6 @@ class EventRecorderTest : public ::testing::Test {
     return s;
   }
 
-  TempDir dir_;
-  std::unique_ptr<FakeKube> kube_;
-  LoopThread lt_;
-  std::unique_ptr<BlockingPool> pool_;
-  std::unique_ptr<HttpClient> http_;
   std::unique_ptr<EventRecorder> recorder_;
 };
 

@@ -12,24 +12,12 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "simdjson.h"
+#include "tests/testing/api_client_test.h"
 #include "tests/testing/fake_kube.h"
 #include "tests/testing/loop_thread.h"
 
 namespace fusekeeper {
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    char t[] = "/tmp/fk-srvpod-XXXXXX";
-    path_ = mkdtemp(t);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // What the controller said, in order; waited on with a deadline.
 class Said {
@@ -73,28 +61,12 @@ state::ServerPod Spec(const std::string& image = "team/fs:1") {
   return s;
 }
 
-class ServerPodsTest : public ::testing::Test {
+class ServerPodsTest : public ApiClientTest {
  protected:
-  void SetUp() override {
-    kube_ = std::make_unique<FakeKube>(dir_.path());
-    ASSERT_TRUE(kube_->ok()) << kube_->Diagnostics();
-    { std::ofstream(dir_.path() + "/token") << "secret-token\n"; }
-    pool_ = std::make_unique<BlockingPool>(lt_.loop(), BlockingPoolOptions{.threads = 1});
-    lt_.RunOnLoop([&] {
-      auto h = HttpClient::Create(lt_.loop());
-      ASSERT_TRUE(h.ok());
-      http_ = std::move(*h);
-    });
-  }
-  void TearDown() override {
-    lt_.RunOnLoop([&] { pods_.reset(); });
-    pool_->Shutdown(absl::Seconds(5));
-    lt_.StopAndJoin();
-    http_.reset();
-  }
+  void DestroyClient() override { pods_.reset(); }
   void Make(std::string url = "") {
     lt_.RunOnLoop([&] { pods_.reset(); });
-    KubeApiConfig api{url.empty() ? kube_->url() : url, dir_.path() + "/token", kube_->ca_file(), false};
+    KubeApiConfig api = Api(url);
     ServerPodsOptions o;
     o.settings.namespace_ = "fk-system";
     o.settings.node = "node-a";
@@ -161,11 +133,6 @@ class ServerPodsTest : public ::testing::Test {
     return s;
   }
 
-  TempDir dir_;
-  std::unique_ptr<FakeKube> kube_;
-  LoopThread lt_;
-  std::unique_ptr<BlockingPool> pool_;
-  std::unique_ptr<HttpClient> http_;
   std::unique_ptr<ServerPods> pods_;
   Said said_;
   std::mutex ready_mu_;
