@@ -99,9 +99,9 @@ absl::StatusOr<UniqueFd> HandoffEndpoint::ListenBlocking(int dir_fd, const std::
 std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd listen_fd,
                                                         UniqueFd fuse_fd, MountConfig config,
                                                         HandoffOptions options, Events events) {
-  std::shared_ptr<HandoffEndpoint> e(new HandoffEndpoint(loop, std::move(listen_fd), std::move(fuse_fd),
-                                                         std::move(config), options, std::move(events)));
-  e->ArmAccept();
+  std::shared_ptr<HandoffEndpoint> e(
+      new HandoffEndpoint(loop, std::move(fuse_fd), std::move(config), options, std::move(events)));
+  e->AddListener(std::move(listen_fd), "");
   if (e->fuse_fd_) {
     e->ArmAbortWatch();
   } else {
@@ -111,10 +111,9 @@ std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd lis
   return e;
 }
 
-HandoffEndpoint::HandoffEndpoint(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config,
-                                 HandoffOptions options, Events events)
+HandoffEndpoint::HandoffEndpoint(Loop& loop, UniqueFd fuse_fd, MountConfig config, HandoffOptions options,
+                                 Events events)
     : loop_(loop),
-      listen_fd_(std::move(listen_fd)),
       fuse_fd_(std::move(fuse_fd)),
       config_(std::move(config)),
       options_(options),
@@ -139,30 +138,6 @@ void HandoffEndpoint::ReleaseLater(std::unique_ptr<Connection> doomed) {
   loop_.Post([grave] { delete grave; });
 }
 
-void HandoffEndpoint::ArmAccept() {
-  accept_.callback = [this](int32_t res, bool) {
-    Completed();
-    if (res >= 0) {
-      if (stopped_) {
-        close(res);
-      } else {
-        OnAccepted(res);
-      }
-    } else if (res != -ECANCELED && res != -EINTR) {
-      LOG(WARNING) << "handoff accept for volume " << config_.volume_id << ": " << strerror(-res);
-    }
-    if (!stopped_ && res != -ECANCELED && loop_.running()) {
-      io_uring_sqe* sqe = loop_.GetSqe();
-      io_uring_prep_accept(sqe, listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-      Arm(sqe, &accept_);
-    }
-    if (in_flight_ == 0) ReleaseLater(nullptr);
-  };
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_accept(sqe, listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-  Arm(sqe, &accept_);
-}
-
 void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
   if (stopped_) return;
   RemoveListener(tag);
@@ -181,11 +156,11 @@ void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
         OnAccepted(res, raw->tag);
       }
     } else if (res != -ECANCELED && res != -EINTR) {
-      LOG(WARNING) << "handoff accept for volume " << config_.volume_id << " on " << raw->tag << ": "
-                   << strerror(-res);
+      LOG(WARNING) << "handoff accept for volume " << config_.volume_id
+                   << (raw->tag.empty() ? "" : " on " + raw->tag) << ": " << strerror(-res);
     }
     if (!stopped_ && !raw->closed && res != -ECANCELED && loop_.running()) {
-      ArmExtraAccept(raw);
+      ArmAccept(raw);
     } else if (raw->closed || stopped_) {
       // Freed after this callback (its own completion) has returned.
       loop_.Post([self = shared_from_this(), raw] {
@@ -199,23 +174,26 @@ void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
     }
     if (in_flight_ == 0) ReleaseLater(nullptr);
   };
-  ArmExtraAccept(raw);
-  LOG(INFO) << "volume " << config_.volume_id << ": also listening for its server on " << tag;
+  ArmAccept(raw);
+  if (!tag.empty()) LOG(INFO) << "volume " << config_.volume_id << ": also listening for its server on " << tag;
 }
 
-void HandoffEndpoint::ArmExtraAccept(Listener* l) {
+void HandoffEndpoint::ArmAccept(Listener* l) {
   l->in_flight = true;
   io_uring_sqe* sqe = loop_.GetSqe();
   io_uring_prep_accept(sqe, l->fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
   Arm(sqe, &l->accept);
 }
 
+void HandoffEndpoint::CloseListener(Listener* l) {
+  l->closed = true;
+  if (l->in_flight) loop_.Cancel(&l->accept);
+  l->fd.Reset();
+}
+
 void HandoffEndpoint::RemoveListener(const std::string& tag) {
   for (auto& l : listeners_) {
-    if (l->tag != tag || l->closed) continue;
-    l->closed = true;
-    if (l->in_flight) loop_.Cancel(&l->accept);
-    l->fd.Reset();
+    if (l->tag == tag && !l->closed) CloseListener(l.get());
   }
   for (auto it = standby_.begin(); it != standby_.end();) {
     if ((*it)->tag == tag) {
@@ -235,6 +213,17 @@ bool HandoffEndpoint::HasServerFrom(const std::string& tag) const {
     if (c->tag == tag) return true;
   }
   return false;
+}
+
+void HandoffEndpoint::ToStandby(Connection* c) {
+  constexpr size_t kMaxStandby = 4;
+  if (standby_.size() >= kMaxStandby) {
+    ReleaseLater(std::move(standby_.front()));
+    standby_.pop_front();
+  }
+  const std::string tag = c->tag;
+  standby_.push_back(TakeConnection(c));
+  if (events_.on_standby) events_.on_standby(tag);
 }
 
 void HandoffEndpoint::PromoteStandby() {
@@ -262,17 +251,13 @@ void HandoffEndpoint::Stop() {
   stopped_ = true;
   if (standby_fallback_ != 0) loop_.CancelTimer(standby_fallback_);
   standby_fallback_ = 0;
-  loop_.Cancel(&accept_);
   for (auto& l : listeners_) {
-    l->closed = true;
-    if (l->in_flight) loop_.Cancel(&l->accept);
-    l->fd.Reset();
+    if (!l->closed) CloseListener(l.get());
   }
   for (auto& c : standby_) ReleaseLater(std::move(c));
   standby_.clear();
   if (abort_watch_ != nullptr) loop_.Cancel(&abort_watch_->completion);
   abort_watch_ = nullptr;
-  listen_fd_.Reset();
   for (auto& c : parked_) ReleaseLater(std::move(c));
   parked_.clear();
   for (auto& c : connections_in_flight_) {
@@ -306,16 +291,9 @@ void HandoffEndpoint::Route(Connection* c) {
   const std::string tag = c->tag;
   if (serving_ && !tag.empty() && (serving_connection_ == nullptr || serving_connection_->tag != tag)) {
     // A server pod's server while another pod's serves (a roll): it waits to take over.
-    constexpr size_t kMaxStandby = 4;
-    if (standby_.size() >= kMaxStandby) {
-      ReleaseLater(std::move(standby_.front()));
-      standby_.pop_front();
-    }
     LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << tag
               << " waits on standby until the serving server stops";
-    standby_.push_back(TakeConnection(c));
-    if (events_.on_standby) events_.on_standby(tag);
-    return;
+    return ToStandby(c);
   }
   if (serving_) {
     return SendOffer(c, /*refuse=*/true,
@@ -516,8 +494,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
         // standby; if nobody re-deposits within standby_redeposit_wait, it gets a fresh connection.
         LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << c->tag
                   << " has nothing to re-deposit: it waits on standby for the serving server to re-deposit or stop";
-        standby_.push_back(TakeConnection(c));
-        if (events_.on_standby) events_.on_standby(standby_.back()->tag);
+        ToStandby(c);
         if (standby_fallback_ == 0) {
           standby_fallback_ = loop_.AddTimer(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
             standby_fallback_ = 0;

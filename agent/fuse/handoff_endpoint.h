@@ -134,8 +134,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
  private:
   struct Connection;
   struct Listener;
-  HandoffEndpoint(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config,
-                  HandoffOptions options, Events events);
+  HandoffEndpoint(Loop& loop, UniqueFd fuse_fd, MountConfig config, HandoffOptions options, Events events);
   // Arms a ring operation; the endpoint keeps itself alive while any is in flight.
   void Arm(io_uring_sqe* sqe, Completion* completion);
   // Called first in every completion callback.
@@ -143,14 +142,16 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // Releases `doomed` (and the self-reference, if nothing is in flight) after the current
   // callback has returned: nothing is destroyed from inside its own callback.
   void ReleaseLater(std::unique_ptr<Connection> doomed);
-  void ArmAccept();
-  void ArmExtraAccept(Listener* l);
+  void ArmAccept(Listener* l);
+  void CloseListener(Listener* l);
   void OnAccepted(int fd, const std::string& tag = "");
   // A server whose uid has been checked: on standby (a server pod's, while another pod's serves),
   // refused (while one serves), or admitted.
   void Route(Connection* c);
   // What to do with a server nobody else serves before: offer, park, or wait for a re-deposit.
   void Admit(Connection* c);
+  // Keeps c waiting on standby (at most four: the oldest goes).
+  void ToStandby(Connection* c);
   // The serving server has gone: the first standby server still connected takes over.
   void PromoteStandby();
   void SendOffer(Connection* c, bool refuse, std::string why);
@@ -174,12 +175,10 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::unique_ptr<Connection> TakeConnection(Connection* c);
 
   Loop& loop_;
-  UniqueFd listen_fd_;
   UniqueFd fuse_fd_;
   const MountConfig config_;
   const HandoffOptions options_;
   Events events_;
-  Completion accept_;
   struct Watch {
     Completion completion;
     bool in_flight = false;
@@ -187,7 +186,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::deque<Watch> watches_;
   Watch* abort_watch_ = nullptr;  // the current one
   std::string init_record_;  // the FUSE_INIT the first server of this connection reported
-  std::vector<std::unique_ptr<Listener>> listeners_;  // AddListener's; closed ones until their accept ends
+  // The main listening socket (tag "") and AddListener's; closed ones until their accept ends.
+  std::vector<std::unique_ptr<Listener>> listeners_;
   std::deque<std::unique_ptr<Connection>> standby_;  // servers waiting for the serving one to stop
   TimerId standby_fallback_ = 0;
   UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
