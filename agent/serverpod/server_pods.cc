@@ -60,6 +60,21 @@ void ServerPods::Send(std::string method, std::string path, std::string body,
   });
 }
 
+std::vector<std::string> ServerPods::PodUids(const std::string& volume_id) const {
+  std::vector<std::string> uids;
+  auto it = wanted_.find(volume_id);
+  if (it == wanted_.end()) return uids;
+  for (const auto& [name, uid] : it->second.pods) uids.push_back(uid);
+  return uids;
+}
+
+bool ServerPods::HasPod(const std::string& volume_id, const std::string& pod_uid) const {
+  for (const auto& uid : PodUids(volume_id)) {
+    if (uid == pod_uid) return true;
+  }
+  return false;
+}
+
 void ServerPods::Create(const std::string& volume_id, const state::ServerPod& spec, uint32_t uid, uint32_t gid,
                         absl::AnyInvocable<void(absl::Status)> done) {
   Want(volume_id, spec, uid, gid);
@@ -97,10 +112,7 @@ void ServerPods::SetSpec(Wanted& w, const state::ServerPod& spec) {
   }
   w.spec = spec;
   w.manifest = std::move(m);
-  w.pod_uid.clear();
   w.created_once = false;
-  auto known = w.pods.find(w.manifest.name);
-  if (known != w.pods.end()) w.pod_uid = known->second;
   if (started_) ResyncSoon();
 }
 
@@ -310,7 +322,6 @@ void ServerPods::Known(Wanted& w, const std::string& name, const std::string& ui
     Gone(w, name);
     w.pods.emplace(name, uid);
   }
-  if (name == w.manifest.name) w.pod_uid = uid;
   if (events_.on_pod) events_.on_pod(w.volume_id, name, uid);
 }
 
@@ -320,7 +331,6 @@ void ServerPods::Gone(Wanted& w, std::string name) {  // by value: callers pass 
   const std::string uid = it->second;
   w.pods.erase(it);
   known_at_.erase(name);
-  if (name == w.manifest.name) w.pod_uid.clear();
   if (events_.on_pod_gone) events_.on_pod_gone(w.volume_id, name, uid);
 }
 

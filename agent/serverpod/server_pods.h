@@ -94,7 +94,6 @@ class ServerPods {
     state::ServerPod spec;      // what runs: declared, with the PV's image annotation applied
     uint32_t uid = 0, gid = 0;
     ServerPodManifest manifest;
-    std::string pod_uid;  // of the pod with manifest.name, once known
     // Every pod of the volume known to exist, by name → uid: the wanted one and, during a roll,
     // the one it replaces. on_pod has been said of each, on_pod_gone not yet.
     std::map<std::string, std::string> pods;
@@ -102,6 +101,9 @@ class ServerPods {
     std::string refused_image;  // an annotation's image found wrong (said once)
   };
   const std::map<std::string, Wanted>& wanted() const { return wanted_; }
+  // The uids of the volume's pods known to exist (on_pod said, on_pod_gone not yet).
+  std::vector<std::string> PodUids(const std::string& volume_id) const;
+  bool HasPod(const std::string& volume_id, const std::string& pod_uid) const;
   const Stats& stats() const { return stats_; }
   const ServerPodSettings& settings() const { return options_.settings; }
 

@@ -240,10 +240,7 @@ absl::StatusOr<KindJob> FuseKind::Stage(StageCall call) {
   job.before = [this, vid, server_pod, uid, gid](absl::AnyInvocable<void(absl::Status)> then) {
     options_.server_pods->Create(vid, server_pod, uid, gid, std::move(then));
   };
-  job.undo = [this, vid] {
-    options_.server_pods->Release(vid);
-    server_pods_.erase(vid);
-  };
+  job.undo = [this, vid] { options_.server_pods->Release(vid); };
   return job;
 }
 
@@ -313,10 +310,8 @@ KindJob FuseKind::Unpublish(const state::Volume& v, const state::Target& t) {
 
 KindJob FuseKind::Unstage(const state::Volume& v) {
   StopEndpoint(v.volume_id(), v.staging_path());
-  if (options_.server_pods != nullptr && !v.fuse().server_pod().image().empty()) {
-    options_.server_pods->Release(v.volume_id());
-  }
-  server_pods_.erase(v.volume_id());
+  const bool has_server_pod = options_.server_pods != nullptr && !v.fuse().server_pod().image().empty();
+  if (has_server_pod) options_.server_pods->Release(v.volume_id());
   KindJob job = StateJob("NodeUnstageVolume",
                          [ctx = host_.ops_context(), v]() -> absl::StatusOr<std::optional<state::Volume>> {
                            if (auto s = TearDownFuseMountBlocking(ctx, v.staging_path(), v.staging_mount(),
@@ -327,7 +322,7 @@ KindJob FuseKind::Unstage(const state::Volume& v) {
                            if (auto s = ctx.store->RemoveBlocking(v.volume_id()); !s.ok()) return s;
                            return std::optional<state::Volume>();
                          });
-  if (options_.server_pods != nullptr && !v.fuse().server_pod().image().empty()) {
+  if (has_server_pod) {
     // Still staged after all (kubelet retries): its server is wanted again (made at the next resync).
     job.undo = [this, vid = v.volume_id(), spec = v.fuse().server_pod(), uid = v.fuse().server_uid(),
                 gid = v.fuse().server_gid()] { options_.server_pods->Want(vid, spec, uid, gid); };
@@ -401,7 +396,9 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   events.on_server_gone = [this, vid, path](const absl::Status& why) {
     OnServerGone(vid, path, why);
     // Its server pod may have been deleted: made again without waiting for the next resync.
-    if (options_.server_pods != nullptr && server_pods_.count(vid) > 0) options_.server_pods->ResyncSoon();
+    if (options_.server_pods != nullptr && options_.server_pods->wanted().count(vid) > 0) {
+      options_.server_pods->ResyncSoon();
+    }
   };
   events.on_fresh_requested = [this, vid] {
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
@@ -444,27 +441,21 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   endpoints_[key] = std::move(e);
   // Its server pods' sockets, as more listeners of this endpoint: once the work that started it
   // has recorded the volume and ended its claim.
-  if (path == v.staging_path()) {
-    auto pods = server_pods_.find(vid);
-    if (pods != server_pods_.end()) {
-      for (const auto& [uid, name] : pods->second) {
-        host_.loop().Post([this, vid, uid = uid] { AttachPodListener(vid, uid, options_.pod_dir_retry); });
-      }
+  if (path == v.staging_path() && options_.server_pods != nullptr) {
+    for (const std::string& uid : options_.server_pods->PodUids(vid)) {
+      host_.loop().Post([this, vid, uid] { AttachPodListener(vid, uid, options_.pod_dir_retry); });
     }
   }
 }
 
 void FuseKind::OnServerPod(const std::string& volume_id, const std::string& pod_name, const std::string& pod_uid) {
   LOG(INFO) << "volume " << volume_id << ": server pod " << pod_name << " (uid " << pod_uid << ") exists";
-  server_pods_[volume_id][pod_uid] = pod_name;
   AttachPodListener(volume_id, pod_uid, options_.pod_dir_retry);
 }
 
 void FuseKind::OnServerPodGone(const std::string& volume_id, const std::string& pod_name,
                                const std::string& pod_uid) {
   LOG(INFO) << "volume " << volume_id << ": server pod " << pod_name << " (uid " << pod_uid << ") is gone";
-  auto pods = server_pods_.find(volume_id);
-  if (pods != server_pods_.end()) pods->second.erase(pod_uid);
   pod_dir_waited_.erase(pod_uid);
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
@@ -480,8 +471,7 @@ bool FuseKind::ServerWaitsFrom(const std::string& volume_id, const std::string& 
 }
 
 void FuseKind::AttachPodListener(const std::string& volume_id, const std::string& pod_uid, absl::Duration retry) {
-  auto pods = server_pods_.find(volume_id);
-  if (pods == server_pods_.end() || pods->second.count(pod_uid) == 0) return;  // gone meanwhile
+  if (!options_.server_pods->HasPod(volume_id, pod_uid)) return;  // gone meanwhile
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr || v->staging_path().empty()) return;  // staged yet? StartEndpoint attaches then
   const std::string path = v->staging_path();
@@ -510,9 +500,8 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
                 return AdoptFn([this, volume_id = v.volume_id(), pod_uid, path, serial,
                                 fd = std::make_shared<UniqueFd>(std::move(*listen))] {
                   auto ep = endpoints_.find(EndpointKey(volume_id, path));
-                  auto pods = server_pods_.find(volume_id);
-                  if (ep != endpoints_.end() && ep->second.serial == serial && pods != server_pods_.end() &&
-                      pods->second.count(pod_uid) > 0) {
+                  if (ep != endpoints_.end() && ep->second.serial == serial &&
+                      options_.server_pods->HasPod(volume_id, pod_uid)) {
                     ep->second.endpoint->AddListener(std::move(*fd), pod_uid);
                   }
                   pod_dir_waited_.erase(pod_uid);

@@ -140,8 +140,6 @@ class FuseKind final : public VolumeKind {
   uint64_t endpoint_serial_ = 0;
   std::unordered_set<std::string> repairing_;      // volumes with a repair queued or running
   std::map<std::string, absl::Duration> backoff_;  // per volume, after failed repairs
-  // Server pods known to exist, per volume: uid → name.
-  std::map<std::string, std::map<std::string, std::string>> server_pods_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
 };
 
