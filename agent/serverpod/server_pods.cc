@@ -317,11 +317,11 @@ void ServerPods::ListPods() {
 void ServerPods::Known(Wanted& w, const std::string& name, const std::string& uid) {
   auto [it, added] = w.pods.emplace(name, uid);
   if (!added && it->second == uid) return;
-  known_at_[name] = lists_;
   if (!added) {  // a pod of that name, made again: the old one is gone
     Gone(w, name);
     w.pods.emplace(name, uid);
   }
+  known_at_[name] = lists_;  // after Gone, which forgets the old pod's
   if (events_.on_pod) events_.on_pod(w.volume_id, name, uid);
 }
 
