@@ -221,6 +221,7 @@ void ServerPods::Release(const std::string& volume_id) {
     if (p.volume_label == label) names.insert(name);
   }
   for (const auto& name : names) Delete(name, volume_id, "its volume was unstaged from this node");
+  ResyncSoon();  // a delete that fails is tried again from the listing
 }
 
 void ServerPods::Delete(const std::string& name, const std::string& volume_id, const std::string& why) {
@@ -310,6 +311,9 @@ void ServerPods::ListPods() {
            resync_again_ = false;
            return ScheduleResync(absl::ZeroDuration());
          }
+         // A node with no server pods and no volume that wants one asks the API server nothing
+         // more until one does (Want, Create and Release resync): no load where they go unused.
+         if (wanted_.empty() && pods.ok() && pods->empty()) return;
          ScheduleResync(options_.resync);
        });
 }

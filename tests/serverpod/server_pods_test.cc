@@ -369,5 +369,19 @@ TEST_F(ServerPodsTest, AfterARestartMidRollBothPodsOfTheVolumeAreKnown) {
   EXPECT_EQ(Store().size(), 2u) << "the old one stays until the new one's server waits";
 }
 
+
+// A node whose volumes want no server pod lists once at start and then asks nothing; the first
+// volume that wants one starts the resyncs again (a pod deleted later is made again).
+TEST_F(ServerPodsTest, AnIdleNodeWakesWhenAVolumeWantsAServer) {
+  Make();
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  ASSERT_TRUE(kube_->WaitForRequest("GET /api/v1/namespaces/fk-system/pods?labelSelector="));
+  ASSERT_TRUE(Create("vol-1").ok());
+  const std::string name = NameFor("vol-1");
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name), 200);
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodRecreated")) << said_.All();
+  EXPECT_EQ(Store().count(name), 1u);
+}
+
 }  // namespace
 }  // namespace fusekeeper

@@ -82,6 +82,12 @@ class FakeKube {
   bool WaitForRequest(const std::string& verb_and_path) {
     return server_->WaitForStderr("req " + verb_and_path, 1, std::chrono::seconds(20));
   }
+  // Waits until `n` requests whose "<VERB> <path>" contains `part` have arrived (e.g. the
+  // Events, " /api/v1/namespaces/default/events", POSTs and PATCHes alike), whatever else the
+  // agent asks meanwhile.
+  bool WaitForRequestsWith(const std::string& part, int n) {
+    return server_->WaitForStderr(part, n, std::chrono::seconds(20));
+  }
   // Waits until `n` requests have arrived in total.
   bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }
   int requests() const { return server_->CountInStderr("req "); }

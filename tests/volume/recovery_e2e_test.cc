@@ -108,7 +108,8 @@ TEST_F(RecoveryE2ETest, ServerKilledUnderReadsAdoptsTheLiveConnectionAndReadsNev
   EXPECT_GE(AgentLogCount("FuseServerRestarted"), 3);
   EXPECT_EQ(AgentLogCount("MountRecoveryFailed"), 0);
   // Events on both pods: 3 rounds x 2 reasons x 2 pods, the repeats as count updates.
-  ASSERT_TRUE(kube.WaitForRequests(12)) << kube.Diagnostics() << agent_->Stderr();
+  ASSERT_TRUE(kube.WaitForRequestsWith(" /api/v1/namespaces/default/events", 12))
+      << kube.Diagnostics() << agent_->Stderr();
   int posts = 0, patches = 0;
   std::map<std::string, int> reasons;
   for (const auto& line : kube.Log()) {
@@ -597,7 +598,7 @@ TEST_F(RecoveryE2ETest, AServerOfATerminatingPodStoppingIsNoWarning) {
   ASSERT_RPC_OK(PublishInline("term-1", "pod-bye", target));
   Subprocess* sidecar = StartServer(PodSocket("pod-bye"));
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(target + "/hello.txt"); }).has_value());
-  ASSERT_TRUE(kube.WaitForRequests(2)) << "the agent has read the pod list";
+  ASSERT_TRUE(kube.WaitForRequestsWith("req GET /pods", 2)) << "the agent has read the pod list";
   sidecar->Signal(SIGTERM);
   ASSERT_TRUE(WaitForAgentLog("stopped while its pod is terminating: no Warning")) << agent_->Stderr();
   EXPECT_EQ(AgentLogCount("FuseServerNotConnected"), 0) << agent_->Stderr();
