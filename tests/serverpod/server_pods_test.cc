@@ -120,12 +120,7 @@ class ServerPodsTest : public ApiClientTest {
   // Waits (on the double's log, no sleeping) until the store satisfies `pred`.
   template <typename Pred>
   bool WaitStore(Pred pred) {
-    const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
-    for (int seen = kube_->requests(); std::chrono::steady_clock::now() < deadline; ++seen) {
-      if (pred(Store())) return true;
-      if (!kube_->WaitForRequests(seen + 1)) break;
-    }
-    return pred(Store());
+    return kube_->WaitUntil([&] { return pred(Store()); });
   }
   ServerPods::Stats Stats() {
     ServerPods::Stats s;

@@ -3,6 +3,7 @@
 // back from its log; waits are on its stderr (inotify), never sleeps.
 #pragma once
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -87,6 +88,17 @@ class FakeKube {
   // agent asks meanwhile.
   bool WaitForRequestsWith(const std::string& part, int n) {
     return server_->WaitForStderr(part, n, std::chrono::seconds(20));
+  }
+  // Waits until `holds()` is true, looking again at each request the double receives (no
+  // sleeping), for at most 20 s even while requests keep coming.
+  template <typename Holds>
+  bool WaitUntil(Holds holds) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (int seen = requests(); std::chrono::steady_clock::now() < deadline; ++seen) {
+      if (holds()) return true;
+      if (!WaitForRequests(seen + 1)) break;
+    }
+    return holds();
   }
   // Waits until `n` requests have arrived in total.
   bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }

@@ -78,12 +78,7 @@ class ServerPodE2ETest : public FuseE2ETest {
   // Waits (on the double's request log, no sleeping) until `pred(Pods())`.
   template <typename Pred>
   bool WaitPods(Pred pred) {
-    const auto deadline = std::chrono::steady_clock::now() + kTestDeadline;
-    for (int seen = kube_->requests(); std::chrono::steady_clock::now() < deadline; ++seen) {
-      if (pred(Pods())) return true;
-      if (!kube_->WaitForRequests(seen + 1)) break;
-    }
-    return pred(Pods());
+    return kube_->WaitUntil([&] { return pred(Pods()); });
   }
   // The kubelet's part: the pod's emptyDir, and its container, run as declared.
   Subprocess* RunPod(const PodSeen& pod) {
