@@ -392,6 +392,9 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
     const bool adopted = it->second.endpoint->adoptions() > it->second.adoptions_seen;
     it->second.adoptions_seen = it->second.endpoint->adoptions();
     OnServed(vid, path, adopted);
+    // A re-deposit after an agent restart with a new pod's server on standby: the roll it held
+    // back can go on now.
+    if (options_.server_pods != nullptr && it->second.endpoint->standby() > 0) options_.server_pods->ResyncSoon();
   };
   events.on_server_gone = [this, vid, path](const absl::Status& why) {
     OnServerGone(vid, path, why);
@@ -467,7 +470,12 @@ bool FuseKind::ServerWaitsFrom(const std::string& volume_id, const std::string& 
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return false;
   auto ep = endpoints_.find(EndpointKey(volume_id, v->staging_path()));
-  return ep != endpoints_.end() && ep->second.endpoint->HasServerFrom(pod_uid);
+  if (ep == endpoints_.end()) return false;
+  // After an agent restart the live connection is held only by the serving pod's server until
+  // it re-deposits it: its pod must not go before that, or the connection goes with it (and
+  // every open file and working directory in the pods with the connection).
+  if (ep->second.endpoint->awaiting_redeposit()) return false;
+  return ep->second.endpoint->HasServerFrom(pod_uid);
 }
 
 void FuseKind::AttachPodListener(const std::string& volume_id, const std::string& pod_uid, absl::Duration retry) {

@@ -89,6 +89,8 @@ class FakeKube {
   bool WaitForRequestsWith(const std::string& part, int n) {
     return server_->WaitForStderr(part, n, std::chrono::seconds(20));
   }
+  // How many requests whose "<VERB> <path>" contains `part` have arrived so far.
+  int RequestsWith(const std::string& part) const { return server_->CountInStderr(part); }
   // Waits until `holds()` is true, looking again at each request the double receives (no
   // sleeping), for at most 20 s even while requests keep coming.
   template <typename Holds>

@@ -332,11 +332,20 @@ TEST_F(ServerPodE2ETest, AnAgentRestartMidRollKeepsTheLiveConnection) {
 
   KillAgent();
   AnnotatePv("pv-restart-roll", "example.com/fkserve:2.0");
+  // The old pod's server is slow to come back (seen in CI: the roll had already deleted its pod
+  // when it would have re-deposited): it is held until the new pod's server waits on standby.
+  old_server->Signal(SIGSTOP);
   RestartAgent({"--redeposit_wait_ms=100"});
-  // The new pod is made; its server starts at once, possibly before the old one re-deposits.
   ASSERT_TRUE(WaitPods([](const auto& p) { return p.size() == 2; })) << kube_->PodStore() << agent_->Stderr();
   const PodSeen new_pod = OtherPod(old_pod);
   Subprocess* new_server = RunPod(new_pod);
+  ASSERT_TRUE(agent_->WaitForStderr("from " + new_pod.uid + " has nothing to re-deposit", 1, kTestDeadline))
+      << agent_->Stderr();
+  // A resync now must not take the old pod away: it alone holds the live connection.
+  const int lists = kube_->RequestsWith("GET /api/v1/namespaces/fk-system/pods?");
+  ASSERT_TRUE(kube_->WaitForRequestsWith("GET /api/v1/namespaces/fk-system/pods?", lists + 3));
+  EXPECT_NE(kube_->PodStore().find(old_pod.uid), std::string::npos) << "the old pod stays until its re-deposit";
+  old_server->Signal(SIGCONT);
   ASSERT_TRUE(agent_->WaitForStderr("re-deposited its live FUSE connection", 1, kTestDeadline)) << agent_->Stderr();
   ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid == new_pod.uid; }))
       << kube_->PodStore() << new_server->Stderr() << agent_->Stderr();
