@@ -59,6 +59,20 @@ absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_vie
     p.volume_id = Str(item, Pointer("/metadata/annotations/", kVolumeAnnotation).c_str());
     p.volume_label = Str(item, Pointer("/metadata/labels/", kVolumeLabel).c_str());
     p.spec_hash = Str(item, Pointer("/metadata/labels/", kSpecLabel).c_str());
+    p.node = Str(item, Pointer("/metadata/annotations/", kNodeAnnotation).c_str());
+    simdjson::dom::array containers;
+    if (!item.at_pointer("/spec/containers").get_array().get(containers)) {
+      for (simdjson::dom::element c : containers) {
+        if (Str(c, "/name") == kServerContainer) p.image = Str(c, "/image");
+      }
+    }
+    simdjson::dom::array statuses;
+    if (!item.at_pointer("/status/containerStatuses").get_array().get(statuses)) {
+      for (simdjson::dom::element c : statuses) {
+        bool ready = false;
+        if (Str(c, "/name") == kServerContainer && !c.at_pointer("/ready").get_bool().get(ready)) p.ready = ready;
+      }
+    }
     simdjson::dom::element ts;
     p.terminating = !item.at_pointer("/metadata/deletionTimestamp").get(ts) && !ts.is_null();
     if (p.name.empty() || p.uid.empty()) return absl::InvalidArgumentError("a pod in the list has no name or uid");
@@ -83,6 +97,7 @@ absl::StatusOr<std::vector<ListedVolume>> ParseVolumeList(absl::string_view json
     ListedVolume v;
     v.volume_handle = Str(item, "/spec/csi/volumeHandle");
     v.server_image = Str(item, Pointer("/metadata/annotations/", kServerImageAnnotation).c_str());
+    v.rollout = Str(item, Pointer("/metadata/annotations/", kServerRolloutAnnotation).c_str());
     if (!v.volume_handle.empty()) out.push_back(std::move(v));
   }
   return out;

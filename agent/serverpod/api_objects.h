@@ -16,6 +16,9 @@ struct ListedServerPod {
   std::string volume_id;     // kVolumeAnnotation
   std::string volume_label;  // kVolumeLabel: what tells the volume's pods
   std::string spec_hash;  // kSpecLabel
+  std::string node;          // kNodeAnnotation
+  std::string image;         // the server container's
+  bool ready = false;        // the server container's status says ready
   bool terminating = false;  // deletionTimestamp set
 };
 absl::StatusOr<std::vector<ListedServerPod>> ParseServerPodList(absl::string_view json);
@@ -25,10 +28,15 @@ absl::StatusOr<std::string> ParsePodUid(absl::string_view json);
 // On a PersistentVolume: the image its server pods run instead of the declared serverImage.
 inline constexpr char kServerImageAnnotation[] = "fusekeeper.io/server-image";
 
+// On a PersistentVolume beside kServerImageAnnotation: the share of nodes that take it ("25%",
+// ParseRolloutPercent); the others keep the declared image. Absent: every node.
+inline constexpr char kServerRolloutAnnotation[] = "fusekeeper.io/server-image-rollout";
+
 // One PersistentVolume of ours, as far as rolls go.
 struct ListedVolume {
   std::string volume_handle;
   std::string server_image;  // kServerImageAnnotation; empty: none
+  std::string rollout;       // kServerRolloutAnnotation; empty: none
 };
 // The PVs of `driver` in a PersistentVolumeList.
 absl::StatusOr<std::vector<ListedVolume>> ParseVolumeList(absl::string_view json, const std::string& driver);

@@ -117,29 +117,45 @@ void ServerPods::SetSpec(Wanted& w, const state::ServerPod& spec) {
 }
 
 void ServerPods::ApplyOverrides(const std::vector<ListedVolume>& volumes) {
-  std::map<std::string, std::string> image_of;
-  for (const auto& v : volumes) image_of[v.volume_handle] = v.server_image;
+  std::map<std::string, const ListedVolume*> pv_of;
+  for (const auto& v : volumes) pv_of[v.volume_handle] = &v;
   for (auto& [vid, w] : wanted_) {
-    auto it = image_of.find(vid);
-    if (it == image_of.end()) continue;  // no PV of ours by that handle (yet): as it is
+    auto it = pv_of.find(vid);
+    if (it == pv_of.end()) continue;  // no PV of ours by that handle (yet): as it is
+    const ListedVolume& pv = *it->second;
     state::ServerPod effective = w.declared;
-    if (!it->second.empty()) {
-      if (auto s = CheckServerImage(it->second, absl::StrCat("annotation ", kServerImageAnnotation)); !s.ok()) {
-        if (events_.on_event && it->second != w.refused_image) {
+    std::string why;  // what made this node take the image
+    if (!pv.server_image.empty()) {
+      absl::Status s = CheckServerImage(pv.server_image, absl::StrCat("annotation ", kServerImageAnnotation));
+      bool take = true;
+      if (s.ok() && !pv.rollout.empty()) {
+        auto percent = ParseRolloutPercent(pv.rollout, absl::StrCat("annotation ", kServerRolloutAnnotation));
+        if (percent.ok()) {
+          const int bucket = RolloutBucket(vid, options_.settings.node);
+          take = bucket < *percent;
+          why = absl::StrCat(", in batches: this node is ", take ? "among" : "not yet among", " the first ", *percent,
+                             "% (", kServerRolloutAnnotation, ")");
+        } else {
+          s = percent.status();
+        }
+      }
+      if (!s.ok()) {
+        const std::string refused = absl::StrCat(pv.server_image, "\n", pv.rollout);
+        if (events_.on_event && refused != w.refused_image) {
           events_.on_event(vid, "Warning", "ServerImageRefused",
                            absl::StrCat("volume ", vid, ": its PersistentVolume's ", s.message(), "; the server stays ",
                                         w.spec.image()));
         }
-        w.refused_image = it->second;
+        w.refused_image = refused;
         continue;
       }
-      effective.set_image(it->second);
+      if (take) effective.set_image(pv.server_image);
     }
     if (effective.image() != w.spec.image() && events_.on_event) {
       events_.on_event(vid, "Normal", "ServerPodRolling",
                        absl::StrCat("volume ", vid, ": its server rolls from ", w.spec.image(), " to ",
                                     effective.image(), " (PersistentVolume annotation ", kServerImageAnnotation,
-                                    it->second.empty() ? " removed)" : ")"));
+                                    pv.server_image.empty() ? " removed" : "", why, ")"));
     }
     SetSpec(w, effective);
   }

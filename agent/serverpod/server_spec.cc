@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "agent/base/sha256.h"
 #include "simdjson.h"
 
 namespace fusekeeper {
@@ -195,6 +196,27 @@ absl::Status ParseServerPod(const google::protobuf::Map<std::string, std::string
   if (auto s = ParseStrings(ctx, kCommand, pod->mutable_command()); !s.ok()) return s;
   if (auto s = ParseStrings(ctx, kArgs, pod->mutable_args()); !s.ok()) return s;
   return ParseResources(ctx, pod);
+}
+
+absl::StatusOr<int> ParseRolloutPercent(const std::string& value, const std::string& what) {
+  std::string_view v = value;
+  if (!v.empty() && v.back() == '%') v.remove_suffix(1);
+  int n = 0;
+  bool digits = !v.empty() && v.size() <= 3;
+  for (char c : v) {
+    if (c < '0' || c > '9') digits = false;
+    if (digits) n = n * 10 + (c - '0');
+  }
+  if (!digits || n > 100) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " '", value.substr(0, 64), "' is not a share of nodes from 0% to 100% (e.g. '25%')"));
+  }
+  return n;
+}
+
+int RolloutBucket(const std::string& volume_id, const std::string& node) {
+  const std::string h = Sha256Hex(absl::StrCat(volume_id, "\n", node));
+  return static_cast<int>(std::stoul(h.substr(0, 8), nullptr, 16) % 100);
 }
 
 }  // namespace fusekeeper

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "google/protobuf/map.h"
 #include "proto/state.pb.h"
 
@@ -35,5 +36,14 @@ absl::Status CheckServerImage(const std::string& image, const std::string& what)
 
 // A Kubernetes quantity without a sign ("50m", "64Mi", "1.5", "2G"). `what` names it in errors.
 absl::Status CheckQuantity(const std::string& value, const std::string& what);
+
+// The share of nodes that take a PersistentVolume's image annotation (a roll in batches):
+// "25%" or "25", 0 to 100. `what` names it in errors (INVALID_ARGUMENT).
+absl::StatusOr<int> ParseRolloutPercent(const std::string& value, const std::string& what);
+
+// Where a node stands in a volume's rollout, 0 to 99: a node takes a rollout of N% when its
+// bucket is below N. Derived from the volume and the node, so every agent agrees without asking
+// any other, a node stays in the batch as N grows, and each volume starts on other nodes.
+int RolloutBucket(const std::string& volume_id, const std::string& node);
 
 }  // namespace fusekeeper

@@ -3,6 +3,7 @@
 // the new pod's server waits, deleted when released or left over, and an unreachable or
 // refusing API server is a clear error with nothing left behind.
 #include "agent/serverpod/server_pods.h"
+#include "agent/serverpod/server_spec.h"
 
 #include <condition_variable>
 #include <filesystem>
@@ -279,8 +280,10 @@ TEST_F(ServerPodsTest, AnApiServerThatGoesAwayLeavesKnownPodsKnown) {
 }
 
 
-std::string PvList(const std::string& handle, const std::string& image, const std::string& driver = "fusekeeper.csi") {
-  std::string annotations = image.empty() ? "{}" : R"({"fusekeeper.io/server-image":")" + image + R"("})";
+std::string PvList(const std::string& handle, const std::string& image, const std::string& driver = "fusekeeper.csi",
+                   const std::string& rollout = "") {
+  std::string annotations = image.empty() ? "{}" : R"({"fusekeeper.io/server-image":")" + image + R"(")" +
+                                                       (rollout.empty() ? "" : R"(,"fusekeeper.io/server-image-rollout":")" + rollout + R"(")") + "}";
   return R"({"kind":"PersistentVolumeList","items":[{"metadata":{"name":"pv-x","annotations":)" + annotations +
          R"(},"spec":{"csi":{"driver":")" + driver + R"(","volumeHandle":")" + handle + R"("}}}]})";
 }
@@ -295,6 +298,45 @@ TEST(ParseVolumeListTest, ReadsOurPvsImageAnnotationsAndSkipsOthers) {
   ASSERT_TRUE(v.ok());
   EXPECT_TRUE(v->empty());
   EXPECT_FALSE(ParseVolumeList("[1,2]", "fusekeeper.csi").ok());
+  v = ParseVolumeList(PvList("vol-1", "team/fs:2", "fusekeeper.csi", "25%"), "fusekeeper.csi");
+  ASSERT_TRUE(v.ok());
+  ASSERT_EQ(v->size(), 1u);
+  EXPECT_EQ((*v)[0].rollout, "25%");
+}
+
+// A roll in batches: a node outside the annotation's share keeps its server; raising the share
+// past the node's bucket rolls it; a share that is no share is refused and changes nothing.
+TEST_F(ServerPodsTest, ARolloutShareRollsOnlyTheNodesItCovers) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  const std::string old_name = NameFor("vol-1"), new_name = NameFor("vol-1", Spec("team/fs:2"));
+  const int bucket = RolloutBucket("vol-1", "node-a");
+  const std::string pvs = "GET /api/v1/persistentvolumes";
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "team/fs:2", "fusekeeper.csi",
+                                                          std::to_string(bucket) + "%")}});
+  // Two more resyncs read the PV list after it changed: this node is not in the batch.
+  const int seen = kube_->RequestsWith(pvs);
+  ASSERT_TRUE(kube_->WaitForRequestsWith(pvs, seen + 3));
+  EXPECT_EQ(said_.Count("ServerPodRolling"), 0) << said_.All();
+  EXPECT_EQ(Store().size(), 1u) << kube_->PodStore();
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "team/fs:2", "fusekeeper.csi", "150%")}});
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerImageRefused")) << said_.All();
+  EXPECT_TRUE(absl::StrContains(said_.All(), "'150%' is not a share of nodes")) << said_.All();
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "team/fs:2", "fusekeeper.csi",
+                                                          std::to_string(bucket + 1))}});
+  ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodRolling")) << said_.All();
+  EXPECT_TRUE(absl::StrContains(said_.All(), "this node is among the first " + std::to_string(bucket + 1) + "%"))
+      << said_.All();
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(new_name) > 0; })) << kube_->PodStore();
+  {
+    std::lock_guard<std::mutex> lock(ready_mu_);
+    ready_uids_.insert(Store()[new_name]);
+  }
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.size() == 1 && s.count(new_name); })) << kube_->PodStore();
+  // The share lowered below the node again: it rolls back.
+  kube_->SetObjects({{"/api/v1/persistentvolumes", PvList("vol-1", "team/fs:2", "fusekeeper.csi", "0%")}});
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(old_name) > 0; })) << kube_->PodStore();
 }
 
 TEST_F(ServerPodsTest, APersistentVolumeAnnotationRollsTheServerAndABadOneIsRefused) {

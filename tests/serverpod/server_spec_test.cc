@@ -117,5 +117,35 @@ TEST(ServerSpecTest, QuantitiesAsKubernetesWritesThem) {
   }
 }
 
+TEST(ServerSpecTest, RolloutSharesArePercentsFromZeroToAHundred) {
+  EXPECT_EQ(ParseRolloutPercent("25%", "a").value_or(-1), 25);
+  EXPECT_EQ(ParseRolloutPercent("0", "a").value_or(-1), 0);
+  EXPECT_EQ(ParseRolloutPercent("100%", "a").value_or(-1), 100);
+  for (const char* bad : {"", "%", "101%", "-5%", "2.5%", "25 %", "1000", "half"}) {
+    auto r = ParseRolloutPercent(bad, "annotation x");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "annotation x")) << r.status();
+  }
+}
+
+// Nodes spread over the buckets, so a share of N% takes about N% of them; a volume's bucket of a
+// node is the same every time (every agent decides alone) and differs between volumes.
+TEST(ServerSpecTest, RolloutBucketsSpreadNodesAndDependOnTheVolume) {
+  int under25 = 0, same_for_other_volume = 0;
+  for (int i = 0; i < 2000; ++i) {
+    const std::string node = "node-" + std::to_string(i);
+    const int b = RolloutBucket("vol-1", node);
+    ASSERT_GE(b, 0);
+    ASSERT_LT(b, 100);
+    EXPECT_EQ(b, RolloutBucket("vol-1", node));
+    under25 += b < 25;
+    same_for_other_volume += b == RolloutBucket("vol-2", node);
+  }
+  EXPECT_GT(under25, 400);
+  EXPECT_LT(under25, 600);
+  EXPECT_LT(same_for_other_volume, 100);
+}
+
 }  // namespace
 }  // namespace fusekeeper
