@@ -3,18 +3,28 @@
 //   fkctl --endpoint=unix:///csi/csi.sock Probe
 //   fkctl NodePublishVolume --volume_id=v1 --target_path=/var/lib/kubelet/pods/.../mount \
 //         --access_mode=SINGLE_NODE_WRITER --volume_context=kind=hostPath,path=/data
+//   fkctl ServerPods [--node=<name>]     (in an agent's container: kubectl exec ds/fusekeeper -c agent --)
+//
+// ServerPods is no RPC: it lists the staged volumes' server pods of every node (or one) from the
+// API server with the agent's service account, and which image runs on how many nodes.
 //
 // Prints the response as JSON on stdout. On an RPC error prints "<CODE>: <message>" on stderr and
 // exits with the numeric gRPC status code (always non-zero); usage errors exit 64.
+#include <curl/curl.h>
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <string>
 
+#include "agent/kubelet/event_recorder.h"
+#include "agent/serverpod/api_objects.h"
+#include "agent/serverpod/pod_manifest.h"
+#include "agent/serverpod/pod_table.h"
 #include "agent/version.h"
 #include "gflags/gflags.h"
 #include "google/protobuf/util/json_util.h"
@@ -37,6 +47,11 @@ DEFINE_string(volume_context, "", "k=v,k2=v2 (escape a literal comma as \\,)");
 DEFINE_string(publish_context, "", "k=v,k2=v2");
 DEFINE_string(secrets, "", "k=v,k2=v2 (sent as secrets; never printed)");
 DEFINE_int64(required_bytes, 0, "capacity_range.required_bytes (NodeExpandVolume)");
+DEFINE_string(node, "", "ServerPods: only this node's (empty: every node's)");
+DEFINE_string(server_namespace, std::getenv("POD_NAMESPACE") != nullptr ? std::getenv("POD_NAMESPACE") : "fusekeeper",
+              "ServerPods: the agent's namespace, where its server pods are (default: $POD_NAMESPACE)");
+DEFINE_string(kube_secrets_dir, "/var/run/secrets/kubernetes.io/serviceaccount",
+              "ServerPods: the service account's token and ca.crt (the API server from KUBERNETES_SERVICE_HOST/PORT)");
 
 namespace {
 
@@ -44,6 +59,66 @@ using google::protobuf::Map;
 using google::protobuf::Message;
 
 constexpr int kUsageError = 64;
+
+size_t Append(char* data, size_t size, size_t n, void* out) {
+  auto* s = static_cast<std::string*>(out);
+  if (s->size() + size * n > (64u << 20)) return 0;  // a bound on what the answer may be
+  s->append(data, size * n);
+  return size * n;
+}
+
+// `fkctl ServerPods`: one GET of the managed-by selector, printed as a table.
+int ListServerPods() {
+  auto api = fusekeeper::InClusterConfig(FLAGS_kube_secrets_dir);
+  if (!api.ok()) {
+    std::cerr << "ServerPods needs the API server: " << api.status().message() << "\n";
+    return static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  std::string token;
+  {
+    std::ifstream in(api->token_file);
+    std::getline(in, token);
+  }
+  const std::string url = api->base_url + "/api/v1/namespaces/" + FLAGS_server_namespace +
+                          "/pods?labelSelector=" + fusekeeper::kManagedByLabel + "%3D" + fusekeeper::kManagedBy;
+  CURL* curl = curl_easy_init();
+  if (curl == nullptr) return static_cast<int>(grpc::StatusCode::INTERNAL);
+  std::string body;
+  curl_slist* headers = curl_slist_append(nullptr, "Accept: application/json");
+  if (!token.empty()) headers = curl_slist_append(headers, ("Authorization: Bearer " + token).c_str());
+  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(curl, CURLOPT_CAINFO, api->ca_file.c_str());
+  curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(FLAGS_timeout_ms));
+  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "https");
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, Append);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &body);
+  const CURLcode rc = curl_easy_perform(curl);
+  long status = 0;
+  curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
+  curl_slist_free_all(headers);
+  curl_easy_cleanup(curl);
+  const std::string where = "the server pods in namespace " + FLAGS_server_namespace + " (" + api->base_url + ")";
+  if (rc != CURLE_OK) {
+    std::cerr << "listing " << where << ": " << curl_easy_strerror(rc) << "\n";
+    return static_cast<int>(grpc::StatusCode::UNAVAILABLE);
+  }
+  if (status != 200) {
+    const std::string said = fusekeeper::ApiMessage(body);
+    std::cerr << "listing " << where << ": HTTP " << status << (said.empty() ? "" : ": " + said)
+              << (status == 401 || status == 403 ? " (the service account needs pods list there)" : "") << "\n";
+    return static_cast<int>(status == 401 || status == 403 ? grpc::StatusCode::PERMISSION_DENIED
+                                                           : grpc::StatusCode::UNAVAILABLE);
+  }
+  auto pods = fusekeeper::ParseServerPodList(body);
+  if (!pods.ok()) {
+    std::cerr << "listing " << where << ": " << pods.status().message() << "\n";
+    return static_cast<int>(grpc::StatusCode::INTERNAL);
+  }
+  std::cout << fusekeeper::ServerPodTable(std::move(*pods), FLAGS_node);
+  return 0;
+}
 
 // Splits on unescaped commas; "\," is a literal comma.
 std::vector<std::string> SplitList(const std::string& s) {
@@ -133,13 +208,15 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "fkctl [flags] <RPC>\nRPCs: GetPluginInfo GetPluginCapabilities Probe NodeGetInfo "
       "NodeGetCapabilities NodeStageVolume NodeUnstageVolume NodePublishVolume "
-      "NodeUnpublishVolume NodeGetVolumeStats NodeExpandVolume");
+      "NodeUnpublishVolume NodeGetVolumeStats NodeExpandVolume\n"
+      "and ServerPods (the server pods of every node, from the API server)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc != 2) {
     std::cerr << gflags::ProgramUsage() << "\n";
     return kUsageError;
   }
   const std::string rpc = argv[1];
+  if (rpc == "ServerPods") return ListServerPods();
   std::string endpoint = FLAGS_endpoint;
   if (endpoint.empty() && std::getenv("CSI_ENDPOINT") != nullptr) endpoint = std::getenv("CSI_ENDPOINT");
   if (endpoint.empty()) endpoint = "unix:///csi/csi.sock";
