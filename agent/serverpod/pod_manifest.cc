@@ -49,7 +49,7 @@ std::string NodeSelector(const ServerPodSettings& settings) {
 }
 
 ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::string& volume_id,
-                                 const state::ServerPod& server, uint32_t uid, uint32_t gid) {
+                                 const state::ServerPod& server, uint32_t uid, uint32_t gid, bool successor) {
   const std::string socket = absl::StrCat(kHandoffDir, "/", kHandoffSocketName);
   // Requests: the volume's, and the agent's defaults for what it leaves out (always explicit).
   std::map<std::string, std::string> requests = settings.default_requests;
@@ -84,7 +84,7 @@ ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::s
   ServerPodManifest m;
   m.spec_hash = Sha256Hex(pod_spec).substr(0, 10);
   const std::string vol = VolumeLabelValue(volume_id), node = NodeLabelValue(settings.node);
-  m.name = absl::StrCat("fk-", vol.substr(0, 16), "-", node.substr(0, 8), "-", m.spec_hash);
+  m.name = absl::StrCat("fk-", vol.substr(0, 16), "-", node.substr(0, 8), "-", m.spec_hash, successor ? kSuccessorSuffix : "");
   m.json = absl::StrCat(
       R"({"apiVersion":"v1","kind":"Pod","metadata":{"name":)", JsonQuote(m.name), R"(,"namespace":)",
       JsonQuote(settings.namespace_), R"(,"labels":{)", JsonQuote(kManagedByLabel), ":", JsonQuote(kManagedBy), ",",

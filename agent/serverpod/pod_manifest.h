@@ -62,7 +62,10 @@ std::string NodeLabelValue(const std::string& node);
 // The selector that lists a node's server pods.
 std::string NodeSelector(const ServerPodSettings& settings);
 
+// `successor`: the same pod under a second name (kSuccessorSuffix), made while the first is
+// still terminating so that a server waits to take over the moment the old one stops.
+inline constexpr char kSuccessorSuffix[] = "-2";
 ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::string& volume_id,
-                                 const state::ServerPod& server, uint32_t uid, uint32_t gid);
+                                 const state::ServerPod& server, uint32_t uid, uint32_t gid, bool successor = false);
 
 }  // namespace fusekeeper

@@ -79,7 +79,7 @@ void ServerPods::Create(const std::string& volume_id, const state::ServerPod& sp
                         absl::AnyInvocable<void(absl::Status)> done) {
   Want(volume_id, spec, uid, gid);
   const std::string name = wanted_[volume_id].manifest.name;
-  Post(volume_id, [this, volume_id, name, done = std::move(done)](absl::Status s) mutable {
+  Post(volume_id, wanted_[volume_id].manifest, [this, volume_id, name, done = std::move(done)](absl::Status s) mutable {
     if (!s.ok()) {
       auto it = wanted_.find(volume_id);
       if (it != wanted_.end() && it->second.manifest.name == name) wanted_.erase(it);
@@ -112,6 +112,7 @@ void ServerPods::SetSpec(Wanted& w, const state::ServerPod& spec) {
   }
   w.spec = spec;
   w.manifest = std::move(m);
+  w.successor = BuildServerPod(options_.settings, w.volume_id, spec, w.uid, w.gid, /*successor=*/true);
   w.created_once = false;
   if (started_) ResyncSoon();
 }
@@ -161,16 +162,16 @@ void ServerPods::ApplyOverrides(const std::vector<ListedVolume>& volumes) {
   }
 }
 
-void ServerPods::Post(const std::string& volume_id, absl::AnyInvocable<void(absl::Status)> done) {
-  Wanted& w = wanted_[volume_id];
-  const std::string name = w.manifest.name;
+void ServerPods::Post(const std::string& volume_id, const ServerPodManifest& m,
+                      absl::AnyInvocable<void(absl::Status)> done) {
+  const std::string name = m.name;
   creating_.insert(name);
   const std::string ns = options_.settings.namespace_;
-  Send("POST", absl::StrCat("/api/v1/namespaces/", ns, "/pods"), w.manifest.json,
+  Send("POST", absl::StrCat("/api/v1/namespaces/", ns, "/pods"), m.json,
        [this, volume_id, name, ns, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
          creating_.erase(name);
          auto it = wanted_.find(volume_id);
-         if (it != wanted_.end() && it->second.manifest.name == name) {
+         if (it != wanted_.end() && Names(it->second, name)) {
            // Made (or found): missing from a later listing means deleted.
            if (res.ok() && (res->status == 201 || res->status == 200 || res->status == 409)) {
              it->second.created_once = true;
@@ -226,6 +227,7 @@ void ServerPods::Release(const std::string& volume_id) {
   std::set<std::string> names;
   if (it != wanted_.end()) {
     names.insert(it->second.manifest.name);
+    names.insert(it->second.successor.name);
     while (!it->second.pods.empty()) {
       names.insert(it->second.pods.begin()->first);
       Gone(it->second, it->second.pods.begin()->first);
@@ -381,41 +383,53 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
     // Every live pod of the volume is known, not only the one it wants: the one a roll replaces
     // may be the one serving (after an agent restart, its server re-deposits through it).
     const std::string label = VolumeLabelValue(vid);
+    auto lives = [](const ListedServerPod& p) {
+      return !p.terminating && p.phase != "Failed" && p.phase != "Succeeded";
+    };
     for (const auto& other : pods) {
-      if (other.volume_label == label && other.name != w.manifest.name && !other.terminating &&
-          other.phase != "Failed" && other.phase != "Succeeded") {
-        Known(w, other.name, other.uid);
+      if (other.volume_label == label && lives(other)) Known(w, other.name, other.uid);
+    }
+    // The wanted pod under either of its names: whichever lives serves. One that failed for good
+    // (evicted) is deleted; one still terminating is waited out under the other name.
+    const ListedServerPod* current = nullptr;
+    bool in_flight = false;  // a POST not answered, or a pod made after this list was asked for
+    std::vector<std::string> free_names;
+    for (const ServerPodManifest* m : {&w.manifest, &w.successor}) {
+      in_flight |= creating_.count(m->name) > 0 || newer(m->name);
+      auto listed = by_name.find(m->name);
+      if (listed == by_name.end()) {
+        free_names.push_back(m->name);
+        continue;
+      }
+      const ListedServerPod& p = *listed->second;
+      w.created_once = true;
+      if (lives(p)) {
+        if (current == nullptr) current = &p;
+      } else if (!p.terminating) {
+        Delete(p.name, vid, absl::StrCat("it has stopped for good (phase ", p.phase, ")"));
+        say(vid, "Warning", "ServerPodFailed",
+            absl::StrCat("volume ", vid, ": server pod ", p.name, " ended (phase ", p.phase,
+                         ", e.g. evicted); it is deleted and made again"));
       }
     }
-    auto it = by_name.find(w.manifest.name);
-    if (it == by_name.end()) {
-      if (creating_.count(w.manifest.name) == 0 && !newer(w.manifest.name)) {
-        const bool again = w.created_once;
-        w.created_once = true;
-        if (again) ++stats_.recreated;
-        Post(vid, [this, vid, again, say](absl::Status s) {
-          if (!s.ok()) {
-            LOG(WARNING) << s.message();
-            say(vid, "Warning", "ServerPodNotCreated", std::string(s.message()));
-          } else if (again) {
-            say(vid, "Normal", "ServerPodRecreated",
-                absl::StrCat("volume ", vid, ": its server pod on this node was gone and has been created again"));
-          }
-        });
-      }
+    if (current == nullptr) {
+      if (in_flight || free_names.empty()) continue;  // both names still going: the next resync
+      const bool again = w.created_once;
+      w.created_once = true;
+      if (again) ++stats_.recreated;
+      const ServerPodManifest& m = free_names[0] == w.manifest.name ? w.manifest : w.successor;
+      Post(vid, m, [this, vid, again, say](absl::Status s) {
+        if (!s.ok()) {
+          LOG(WARNING) << s.message();
+          say(vid, "Warning", "ServerPodNotCreated", std::string(s.message()));
+        } else if (again) {
+          say(vid, "Normal", "ServerPodRecreated",
+              absl::StrCat("volume ", vid, ": its server pod on this node was gone or going and has been created again"));
+        }
+      });
       continue;
     }
-    const ListedServerPod& p = *it->second;
-    w.created_once = true;
-    if (p.terminating) continue;  // made again once it has gone
-    if (p.phase == "Failed" || p.phase == "Succeeded") {
-      Delete(p.name, vid, absl::StrCat("it has stopped for good (phase ", p.phase, ")"));
-      say(vid, "Warning", "ServerPodFailed",
-          absl::StrCat("volume ", vid, ": server pod ", p.name, " ended (phase ", p.phase,
-                       ", e.g. evicted); it is deleted and made again"));
-      continue;
-    }
-    Known(w, p.name, p.uid);
+    const ListedServerPod& p = *current;
     // A roll: the volume's other pods go once the new one's server waits to take over.
     const bool ready = events_.standby_ready ? events_.standby_ready(vid, p.uid) : p.phase == "Running";
     if (!ready) continue;

@@ -94,6 +94,10 @@ class ServerPods {
     state::ServerPod spec;      // what runs: declared, with the PV's image annotation applied
     uint32_t uid = 0, gid = 0;
     ServerPodManifest manifest;
+    // The same pod under its second name: made while `manifest`'s pod is still terminating (a
+    // kubectl delete, an eviction), so that its server waits to take over as soon as the old one
+    // stops, instead of only once the old pod object is gone. Whichever of the two lives serves.
+    ServerPodManifest successor;
     // Every pod of the volume known to exist, by name → uid: the wanted one and, during a roll,
     // the one it replaces. on_pod has been said of each, on_pod_gone not yet.
     std::map<std::string, std::string> pods;
@@ -110,7 +114,12 @@ class ServerPods {
  private:
   void Send(std::string method, std::string path, std::string body,
             absl::AnyInvocable<void(absl::StatusOr<HttpResult>)> done);
-  void Post(const std::string& volume_id, absl::AnyInvocable<void(absl::Status)> done);
+  // Creates `m` (the volume's manifest or its successor).
+  void Post(const std::string& volume_id, const ServerPodManifest& m, absl::AnyInvocable<void(absl::Status)> done);
+  // Whether `name` is one of the two names of the pod `w` wants.
+  static bool Names(const Wanted& w, const std::string& name) {
+    return name == w.manifest.name || name == w.successor.name;
+  }
   void Delete(const std::string& name, const std::string& volume_id, const std::string& why);
   void Resync();
   void ListPods();

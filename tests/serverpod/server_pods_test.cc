@@ -112,11 +112,11 @@ class ServerPodsTest : public ApiClientTest {
     }
     return out;
   }
-  std::string NameFor(const std::string& vid, const state::ServerPod& spec = Spec()) {
+  std::string NameFor(const std::string& vid, const state::ServerPod& spec = Spec(), bool successor = false) {
     ServerPodSettings s;
     s.namespace_ = "fk-system";
     s.node = "node-a";
-    return BuildServerPod(s, vid, spec, 1000, 1000).name;
+    return BuildServerPod(s, vid, spec, 1000, 1000, successor).name;
   }
   // Waits (on the double's log, no sleeping) until the store satisfies `pred`.
   template <typename Pred>
@@ -193,8 +193,46 @@ TEST_F(ServerPodsTest, AnEvictedPodIsDeletedAndMadeAgain) {
                         R"({"status":{"phase":"Failed","reason":"Evicted"}})"),
             200);
   ASSERT_TRUE(said_.WaitFor("event vol-1 ServerPodFailed")) << said_.All();
-  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(name) && s.at(name) != first; })) << kube_->PodStore();
+  // Its successor is made at once, beside the failed pod being deleted.
+  const std::string successor = NameFor("vol-1", Spec(), /*successor=*/true);
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.size() == 1 && s.count(successor); })) << kube_->PodStore();
   EXPECT_TRUE(said_.WaitFor("gone vol-1 " + name + " " + first));
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + successor + " " + Store()[successor]));
+}
+
+// kubectl delete (or a preemption): the pod stays, terminating, until its kubelet has stopped it
+// — seconds, or its whole grace period. Its successor is made at once under the second name, so
+// a server waits to take over the moment the old one stops; the next one goes back to the first.
+TEST_F(ServerPodsTest, ATerminatingPodGetsItsSuccessorAtOnce) {
+  Make();
+  ASSERT_TRUE(Create("vol-1").ok());
+  const std::string name = NameFor("vol-1"), successor = NameFor("vol-1", Spec(), /*successor=*/true);
+  const std::string first = Store()[name];
+  lt_.RunOnLoop([&] { pods_->Start(); });
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name + "?graceful=true"), 200);
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(successor) > 0; })) << kube_->PodStore();
+  EXPECT_EQ(Store().count(name), 1u) << "the old pod is still terminating";
+  EXPECT_TRUE(said_.WaitFor("gone vol-1 " + name + " " + first)) << said_.All();
+  EXPECT_TRUE(said_.WaitFor("pod vol-1 " + successor + " " + Store()[successor])) << said_.All();
+  EXPECT_TRUE(said_.WaitFor("event vol-1 ServerPodRecreated")) << said_.All();
+  // The kubelet is done with the old pod: nothing more is made.
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name), 200);
+  const int lists = kube_->RequestsWith("GET /api/v1/namespaces/fk-system/pods?");
+  ASSERT_TRUE(kube_->WaitForRequestsWith("GET /api/v1/namespaces/fk-system/pods?", lists + 3));
+  EXPECT_EQ(Store().size(), 1u) << kube_->PodStore();
+  EXPECT_EQ(Stats().created, 2);
+  // The successor deleted in turn: the first name is free again.
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + successor + "?graceful=true"), 200);
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(name) > 0; })) << kube_->PodStore();
+  EXPECT_TRUE(kube_->WaitUntil([&] { return Stats().created == 3; }));
+  // Both names terminating: nothing more until one is gone.
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name + "?graceful=true"), 200);
+  const int lists2 = kube_->RequestsWith("GET /api/v1/namespaces/fk-system/pods?");
+  ASSERT_TRUE(kube_->WaitForRequestsWith("GET /api/v1/namespaces/fk-system/pods?", lists2 + 3));
+  EXPECT_EQ(Stats().created, 3);
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + successor), 200);
+  ASSERT_TRUE(WaitStore([&](const auto& s) { return s.size() == 2; })) << kube_->PodStore();
+  EXPECT_TRUE(kube_->WaitUntil([&] { return Stats().created == 4; }));
 }
 
 TEST_F(ServerPodsTest, ReleaseDeletesThePod) {

@@ -14,6 +14,9 @@ Serves:  POST  /api/v1/namespaces/<ns>/events          (201; an existing name: 4
          GET    /api/v1/namespaces/<ns>/pods[?labelSelector=a=b,c=d]   (a PodList)
          GET    /api/v1/namespaces/<ns>/pods/<name>    (404 if absent)
          DELETE /api/v1/namespaces/<ns>/pods/<name>    (removes it at once; 404 if absent)
+                ...?graceful=true                      (test-only: keeps it with a deletionTimestamp,
+                                                        as the API server does until the kubelet has
+                                                        stopped it; a plain DELETE then removes it)
          PATCH  /api/v1/namespaces/<ns>/pods/<name>/status  (merges "status": a test evicts a pod)
          The pods are also written to --pod-store-file after each change (a JSON object by
          "<ns>/<name>"), for tests to read.
@@ -170,6 +173,11 @@ class H(BaseHTTPRequestHandler):
             if verb == "DELETE" and len(parts) == 6:
                 if key not in pods:
                     return self.reply(404, '{"kind":"Status","code":404,"reason":"NotFound"}')
+                query = urllib.parse.parse_qs(self.path.partition("?")[2])
+                if query.get("graceful", [""])[0] == "true":
+                    pods[key]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:30Z"
+                    save_pods()
+                    return self.reply(200, json.dumps(pods[key]))
                 pod = pods.pop(key)
                 save_pods()
                 return self.reply(200, json.dumps(pod))
