@@ -127,6 +127,11 @@ DEFINE_string(server_seccomp_profile, "RuntimeDefault",
               "server pods' seccomp profile: RuntimeDefault, Unconfined or Localhost/<profile>. containerd 2.0's "
               "RuntimeDefault refuses io_uring, which `fkserve launch` (the relay) needs: there, use a Localhost "
               "profile that allows io_uring_setup/enter/register, or Unconfined");
+DEFINE_int32(server_grace_period_s, 30, "server pods' terminationGracePeriodSeconds");
+DEFINE_int32(server_drain_ms, 25000,
+             "a server pod's server asked to stop (its pod deleted, evicted or rolled) serves on this long at most "
+             "while its successor starts, and stops as soon as the successor waits to take over; below "
+             "--server_grace_period_s; 0: it stops at once (pods then wait for the successor)");
 DEFINE_string(server_cpu_request, "10m", "a server pod's cpu request when its volume names none");
 DEFINE_string(server_memory_request, "32Mi", "a server pod's memory request when its volume names none");
 DEFINE_int32(shutdown_grace_ms, 10000,
@@ -269,6 +274,14 @@ int main(int argc, char** argv) {
     so.settings.priority_class = FLAGS_server_priority_class;
     so.settings.default_requests = {{"cpu", FLAGS_server_cpu_request}, {"memory", FLAGS_server_memory_request}};
     so.settings.seccomp_profile = FLAGS_server_seccomp_profile;
+    so.settings.termination_grace_seconds = FLAGS_server_grace_period_s;
+    so.settings.drain_ms = FLAGS_server_drain_ms;
+    if (FLAGS_server_grace_period_s < 1 || FLAGS_server_drain_ms < 0 ||
+        FLAGS_server_drain_ms >= int64_t{FLAGS_server_grace_period_s} * 1000) {
+      LOG(ERROR) << "--server_drain_ms must be >= 0 and below --server_grace_period_s (" << FLAGS_server_grace_period_s
+                 << " s): the kubelet kills a server still draining at the end of its grace period";
+      return 2;
+    }
     if (const std::string problem = fusekeeper::SeccompProfileProblem(FLAGS_server_seccomp_profile);
         !problem.empty()) {
       LOG(ERROR) << "--server_seccomp_profile: " << problem;

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "agent/fkserve/drain_gate.h"
 #include "agent/fkserve/stop_signals.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/version.h"
@@ -86,6 +87,33 @@ void AgentLink::Notice(const std::string& text, int64_t restart_ms) {
   if (!s.ok()) fprintf(stderr, "fkserve: telling the agent: %s\n", std::string(s.message()).c_str());
 }
 
+void AgentLink::CheckDrain() {
+  if (drain_ms_ <= 0 || stop_released_ || !DrainHeld()) return;
+  if (!draining_) {
+    draining_ = true;
+    drain_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(drain_ms_);
+    fprintf(stderr, "fkserve: asked to stop; serving on until the agent's successor server waits (at most %lld ms)\n",
+            static_cast<long long>(drain_ms_));
+    HandoffReply r;
+    r.ok = true;
+    r.draining = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sock_) {
+      auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
+      if (!s.ok()) fprintf(stderr, "fkserve: telling the agent: %s\n", std::string(s.message()).c_str());
+    }
+    return;
+  }
+  if (std::chrono::steady_clock::now() >= drain_deadline_) StopServing("no successor came within the drain time");
+}
+
+void AgentLink::StopServing(const char* why) {
+  if (stop_released_) return;
+  stop_released_ = true;
+  fprintf(stderr, "fkserve: stopping: %s\n", why);
+  ReleaseDrainGate();
+}
+
 void AgentLink::Run() {
   while (!stopping_) {
     int fd;
@@ -94,13 +122,20 @@ void AgentLink::Run() {
       fd = sock_.get();
     }
     if (fd < 0) return;
-    pollfd p{fd, POLLIN | POLLRDHUP, 0};
-    if (poll(&p, 1, kWatchPollMs) <= 0) continue;
+    CheckDrain();
+    pollfd p[2] = {{fd, POLLIN | POLLRDHUP, 0}, {DrainGateFd(), POLLIN, 0}};
+    const bool gate = drain_ms_ > 0 && !draining_ && p[1].fd >= 0;
+    if (poll(p, gate ? 2 : 1, kWatchPollMs) <= 0 || (p[0].revents == 0)) continue;
     char buf[kMaxHandoffMessageBytes];
     const ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n > 0 && draining_ && IsStopRequest(absl::string_view(buf, static_cast<size_t>(n)))) {
+      StopServing("the agent's successor server waits to take over");
+      continue;
+    }
     if (n > 0) {
-      // The agent does not speak on a serving connection except to refuse a re-deposit.
+      // The agent does not speak on a serving connection except to refuse a re-deposit (or to
+      // end a drain).
       fprintf(stderr, "fkserve: the agent did not take the re-deposited connection: %.*s\n",
               static_cast<int>(n), buf);
       return;
@@ -142,7 +177,9 @@ UniqueFd AgentLink::Redeposit() {
         return s;
       }
     }
-    // The agent is not listening yet (ENOENT, ECONNREFUSED): it is restarting.
+    // The agent is not listening yet (ENOENT, ECONNREFUSED): it is restarting. A drain goes on
+    // meanwhile, to its deadline.
+    CheckDrain();
     std::this_thread::sleep_for(delay);
     delay = std::min(delay * 2, std::chrono::milliseconds(1000));
   }

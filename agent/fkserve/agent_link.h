@@ -7,9 +7,15 @@
 // repaired onto. So the link watches the connection on a thread of its own; when the agent's
 // end closes without a word, it reconnects to the socket once the agent listens again and
 // re-deposits a dup of the connection with its FUSE_INIT record. A refusal ends the attempts.
+//
+// A server pod's server (MountConfig::drain_ms) drains: with the drain gate armed (drain_gate.h)
+// a SIGTERM is held; the link tells the agent it is draining, and releases the signal — the
+// server then stops as it would have — when the agent's stop request comes (a successor waits)
+// or the drain time is up, whichever is first.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -39,6 +45,9 @@ class AgentLink {
   void set_relayed(bool relayed) { relayed_ = relayed; }
   // The relay's state memfd (a dup), re-deposited with the connection. Before Start().
   void set_relay_state(UniqueFd state) { relay_state_ = std::move(state); }
+  // Drain for at most `ms` once a SIGTERM is held (the gate armed by the serving thread). Before
+  // Start().
+  void set_drain_ms(int64_t ms) { drain_ms_ = ms; }
   // Starts watching (a thread).
   void Start();
   // Sends the final HandoffReply on the current connection and stops watching. Any thread.
@@ -51,10 +60,17 @@ class AgentLink {
   void Run();
   // Blocking: connects and re-deposits; returns the new connection, or an invalid fd if it gave up.
   UniqueFd Redeposit();
+  // Starts draining once a SIGTERM is held; releases it when the drain time is up.
+  void CheckDrain();
+  // The serving thread's stop, once: the held SIGTERM is released.
+  void StopServing(const char* why);
 
   const std::string init_, socket_path_;
   const uid_t agent_uid_;
   bool relayed_ = false;
+  int64_t drain_ms_ = 0;
+  bool draining_ = false, stop_released_ = false;  // the link thread's
+  std::chrono::steady_clock::time_point drain_deadline_;
   UniqueFd fuse_dup_;
   UniqueFd relay_state_;
   std::mutex mu_;

@@ -55,6 +55,9 @@ struct LaunchOptions {
   // An instance that dies sooner than this after its start is restarted after a growing delay
   // (100 ms doubling to 5 s); one that lived longer, at once.
   std::chrono::milliseconds stable_after{10000};
+  // > 0: a server pod's (MountConfig::drain_ms): asked to stop, the launcher serves on until the
+  // agent's successor waits, for at most this long (agent_link.h).
+  int64_t drain_ms = 0;
 };
 
 // Runs the program on `fuse_fd`, answering the handoff on `sock`; returns fkserve's exit status:

@@ -43,6 +43,8 @@ struct HandoffEndpoint::Connection {
   bool refused = false;
   bool finished = false;
   std::string tag;  // the listener it came through (AddListener); empty: the main one
+  bool draining = false;  // serving, asked to stop, waiting for a successor (MountConfig::drain_ms)
+  bool relieved = false;  // told to stop
 };
 
 struct HandoffEndpoint::Listener {
@@ -224,6 +226,24 @@ void HandoffEndpoint::ToStandby(Connection* c) {
   const std::string tag = c->tag;
   standby_.push_back(TakeConnection(c));
   if (events_.on_standby) events_.on_standby(tag);
+  RelieveDrainer();
+}
+
+void HandoffEndpoint::RelieveDrainer() {
+  Connection* c = serving_connection_;
+  if (c == nullptr || !c->draining || c->relieved || !c->fd.valid() || standby_.empty()) return;
+  c->relieved = true;
+  ++relieved_;
+  // A few bytes on a socket with room: MSG_DONTWAIT never waits. Lost, the server stops at its
+  // own deadline instead.
+  const std::string stop = EncodeStopRequest();
+  if (send(c->fd.get(), stop.data(), stop.size(), MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+    LOG(WARNING) << "volume " << config_.volume_id << ": asking draining " << c->Peer() << " to stop: "
+                 << strerror(errno) << "; it stops at its own deadline";
+    return;
+  }
+  LOG(INFO) << "volume " << config_.volume_id << ": draining " << c->Peer() << " is asked to stop: "
+            << standby_.back()->Peer() << " from " << standby_.back()->tag << " waits to take over";
 }
 
 void HandoffEndpoint::PromoteStandby() {
@@ -384,14 +404,18 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   c->live = !refuse && served_;
   if (refuse) {
     c->out = EncodeHandoffRefusal(why);
-  } else if (c->live) {
-    MountConfig live = config_;
-    live.live = true;
-    live.init = init_record_;
-    live.relay_state = relay_state_.valid();
-    c->out = EncodeMountConfig(live);
   } else {
-    c->out = EncodeMountConfig(config_);
+    MountConfig m = config_;
+    if (c->live) {
+      m.live = true;
+      m.init = init_record_;
+      m.relay_state = relay_state_.valid();
+    }
+    // A server pod's server may drain when asked to stop: the agent makes its successor.
+    if (!c->tag.empty() && options_.drain_wait > absl::ZeroDuration()) {
+      m.drain_ms = absl::ToInt64Milliseconds(options_.drain_wait);
+    }
+    c->out = EncodeMountConfig(m);
   }
   c->out_iov = {c->out.data(), c->out.size()};
   c->out_msg.msg_iov = &c->out_iov;
@@ -617,6 +641,18 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
     } else {
       auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
+      if (reply.ok() && reply->ok && reply->draining && !stopped_) {
+        // Asked to stop, it serves on until a successor waits: not the end either.
+        if (c == serving_connection_ && !c->draining) {
+          c->draining = true;
+          LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
+                    << " was asked to stop and serves on until a successor waits to take over";
+          if (events_.on_draining) events_.on_draining();
+          RelieveDrainer();
+        }
+        ArmServerReceive(c);
+        return;
+      }
       if (reply.ok() && !reply->notice.empty() && !stopped_) {
         // Not the end: pass it on and keep watching.
         if (c == serving_connection_) {

@@ -50,6 +50,9 @@ struct HandoffOptions {
   // Started without a connection: a server pod's server (AddListener) with nothing to re-deposit
   // waits this long on standby for another pod's server to re-deposit before it gets a fresh one.
   absl::Duration standby_redeposit_wait = absl::Seconds(10);
+  // A server pod's server (AddListener) is told it may drain this long (MountConfig::drain_ms):
+  // asked to stop, it serves on until a successor waits on standby. Zero: no draining.
+  absl::Duration drain_wait = absl::ZeroDuration();
 };
 
 class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
@@ -70,6 +73,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     absl::AnyInvocable<void()> on_connection_aborted;
     // A server arrived on listener `tag` and waits on standby (AddListener). Loop thread.
     absl::AnyInvocable<void(const std::string& tag)> on_standby;
+    // The serving server was asked to stop and serves on until a successor waits (draining).
+    // Loop thread.
+    absl::AnyInvocable<void()> on_draining;
   };
 
   // Blocking (BlockingPool): creates the listening socket as `name` inside the directory
@@ -120,6 +126,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   bool aborted() const { return aborted_; }
   // Servers that took the volume over an already live connection.
   int adoptions() const { return adoptions_; }
+  // Draining servers asked to stop because a successor waited.
+  int relieved() const { return relieved_; }
   // The server that was serving has gone (see Events::on_server_gone).
   bool server_gone() const { return server_gone_; }
   // Started without a connection and nothing re-deposited or replaced it yet.
@@ -152,6 +160,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void Admit(Connection* c);
   // Keeps c waiting on standby (at most four: the oldest goes).
   void ToStandby(Connection* c);
+  // A draining serving server is asked to stop once a server waits on standby to take over.
+  void RelieveDrainer();
   // The serving server has gone: the first standby server still connected takes over.
   void PromoteStandby();
   void SendOffer(Connection* c, bool refuse, std::string why);
@@ -204,6 +214,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   bool abort_expected_ = false;
   bool restored_ = false;
   int adoptions_ = 0;
+  int relieved_ = 0;
   int redeposits_ = 0;
   int connections_ = 0;
 };

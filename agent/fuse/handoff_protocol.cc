@@ -144,6 +144,7 @@ std::string EncodeMountConfig(const MountConfig& c) {
   AppendMap(&out, "secrets", c.secrets);
   if (c.live) absl::StrAppend(&out, ",\"live\":true,\"init\":\"", EncodeHex(c.init), "\"");
   if (c.live && c.relay_state) out += ",\"relay_state\":true";
+  if (c.drain_ms > 0) absl::StrAppend(&out, ",\"drain_ms\":", c.drain_ms);
   out += "}";
   return out;
 }
@@ -205,6 +206,9 @@ absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json) {
       if (e.get_bool().get(c.relay_state)) return Bad("\"relay_state\" is not a boolean");
     }
   }
+  if (!(*doc)["drain_ms"].get(e)) {
+    if (e.get_int64().get(c.drain_ms) || c.drain_ms < 0) return Bad("\"drain_ms\" is not a duration in ms");
+  }
   return c;
 }
 
@@ -218,6 +222,7 @@ std::string EncodeHandoffReply(const HandoffReply& r) {
   if (r.relayed) out += ",\"relayed\":true";
   if (r.restart_ms >= 0) absl::StrAppend(&out, ",\"restart_ms\":", r.restart_ms);
   if (r.relay_state) out += ",\"relay_state\":true";
+  if (r.draining) out += ",\"draining\":true";
   if (!r.init.empty()) absl::StrAppend(&out, ",\"init\":\"", EncodeHex(r.init), "\"");
   out += "}";
   return out;
@@ -248,6 +253,9 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
   }
   if (!(*doc)["restart_ms"].get(e)) {
     if (e.get_int64().get(r.restart_ms) || r.restart_ms < 0) return Bad("\"restart_ms\" is not a duration in ms");
+  }
+  if (!(*doc)["draining"].get(e)) {
+    if (e.get_bool().get(r.draining)) return Bad("\"draining\" is not a boolean");
   }
   if (!(*doc)["init"].get_string().get(v)) {
     auto raw = DecodeHex(absl::string_view(v.data(), v.size()));
@@ -343,6 +351,16 @@ bool IsMemfd(int fd) {
   char link[64];
   const ssize_t n = readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
   return n > 7 && memcmp(link, "/memfd:", 7) == 0;
+}
+
+std::string EncodeStopRequest() { return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"stop\":true}"); }
+
+bool IsStopRequest(absl::string_view json) {
+  simdjson::dom::parser parser;
+  auto doc = ParseObject(parser, json);
+  if (!doc.ok()) return false;
+  bool stop = false;
+  return !(*doc)["stop"].get_bool().get(stop) && stop;
 }
 
 }  // namespace fusekeeper

@@ -64,6 +64,15 @@
 //                                                                   + SCM_RIGHTS [state memfd]
 //   agent → server  {..., "live":true,"init":"","relay_state":true} + SCM_RIGHTS [fuse fd, state memfd]
 //
+// Draining (server pods). A config with "drain_ms":N (N > 0) goes to a server the agent runs as a
+// pod and can make a successor for. Asked to stop (SIGTERM: its pod deleted, evicted or rolled),
+// such a server serves on and says so on its connection; the agent makes the successor, and once
+// that one's server waits on standby, asks the draining server to stop; it stops (sending its
+// final reply) and the successor takes the live connection over. After N ms it stops anyway.
+//
+//   server → agent  {"version":1,"ok":true,"draining":true,"server":"..."}
+//   agent → server  {"version":1,"stop":true}
+//
 // Unknown fields are ignored (forward compatible); a different major version is refused. Secrets
 // travel only for volumes that ask for them (volume_context "fusekeeper.io/pass-secrets":"true").
 #pragma once
@@ -100,6 +109,10 @@ struct MountConfig {
   std::string init;  // raw bytes (hex on the wire)
   // live: a second fd follows the connection: the relay state the previous server deposited.
   bool relay_state = false;
+  // > 0: a server pod's server (the agent makes its successor): asked to stop (SIGTERM), it
+  // serves on for at most this long, says "draining", and stops when the agent sends a stop
+  // request (a successor waits to take over) — pods then wait for no server at all.
+  int64_t drain_ms = 0;
 };
 
 struct HandoffReply {
@@ -121,7 +134,14 @@ struct HandoffReply {
   int64_t restart_ms = -1;
   // ok (and redeposit): the relay's state memfd is attached (the last fd).
   bool relay_state = false;
+  // ok, not the end: the server was asked to stop and serves on until the agent's stop request
+  // (MountConfig::drain_ms).
+  bool draining = false;
 };
+
+// The agent's stop request to a draining server: {"version":1,"stop":true}.
+std::string EncodeStopRequest();
+bool IsStopRequest(absl::string_view json);
 
 // Hex codec for the "init" fields; DecodeHex fails on odd length or non-hex characters.
 std::string EncodeHex(absl::string_view bytes);

@@ -42,6 +42,9 @@ struct ServerPodSettings {
   std::string priority_class;  // empty: none
   std::map<std::string, std::string> default_requests = {{"cpu", "10m"}, {"memory", "32Mi"}};
   int termination_grace_seconds = 30;
+  // Not in the manifest: how long a server pod's server, asked to stop, serves on while its
+  // successor starts (MountConfig::drain_ms); below the grace period. 0: it stops at once.
+  int64_t drain_ms = 25000;
   // The pod's seccomp profile: "RuntimeDefault", "Unconfined" or "Localhost/<profile path>".
   // containerd 2.0's RuntimeDefault refuses io_uring, which `fkserve launch` relays on.
   std::string seccomp_profile = "RuntimeDefault";

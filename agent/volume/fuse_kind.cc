@@ -425,11 +425,24 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   if (options_.server_pods != nullptr) {
     // A new server pod's server waits to take over (a roll): the old pod can go now.
     events.on_standby = [this](const std::string&) { options_.server_pods->ResyncSoon(); };
+    // Its pod is going (deleted, evicted): the successor is made now, and the server stops once
+    // that one's server waits.
+    events.on_draining = [this, vid] {
+      if (const state::Volume* v = host_.Find(vid); v != nullptr) {
+        host_.Event(*v, "Normal", "ServerDraining",
+                    absl::StrCat("volume ", vid, ": its server pod's server was asked to stop (pod deleted or "
+                                 "evicted); it serves on until its successor on this node is ready"));
+      }
+      options_.server_pods->ResyncSoon();
+    };
   }
   HandoffOptions ho;
   ho.reply_timeout = options_.handoff_reply_timeout;
   ho.peer_uid = v.fuse().server_uid();
   ho.redeposit_wait = options_.redeposit_wait;
+  if (options_.server_pods != nullptr) {
+    ho.drain_wait = absl::Milliseconds(options_.server_pods->settings().drain_ms);
+  }
   // A server re-depositing the connection after an agent restart must hand back this mount's.
   ho.expected_connection = MountsAt(v, path).top.dev_minor();
   Endpoint e;

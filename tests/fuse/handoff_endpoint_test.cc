@@ -515,6 +515,85 @@ TEST_F(StandbyTest, ANewPodsServerWaitsOnStandbyAndTakesOverTheLiveConnection) {
   EXPECT_TRUE(HasServerFrom("pod-b"));
 }
 
+// A server pod's server may drain (handoff_protocol.h): asked to stop, it says "draining" and
+// serves on; the agent asks it to stop once a successor waits on standby (whichever comes
+// first), and the successor then takes the live connection over. The main socket's servers
+// (sidecars: their pod goes as a whole) are not told to drain.
+TEST_F(StandbyTest, ADrainingServerIsAskedToStopOnceASuccessorWaits) {
+  HandoffOptions o;
+  o.drain_wait = absl::Seconds(25);
+  StartEndpoint(o);
+  AddPodListener("pod-a");
+  AddPodListener("pod-b");
+  UniqueFd a = Connect(dir_.path() + "/pod-a");
+  auto ma = ReceiveHandoffMessage(a.get());
+  ASSERT_TRUE(ma.ok() && ma->fd.valid());
+  auto ca = DecodeMountConfig(ma->payload);
+  ASSERT_TRUE(ca.ok());
+  EXPECT_EQ(ca->drain_ms, 25000);
+  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a"}), -1).ok());
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+
+  // Draining, with no successor yet: nothing is asked, and it still serves.
+  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a", .draining = true}), -1).ok());
+  UniqueFd b = Connect(dir_.path() + "/pod-b");
+  ASSERT_TRUE(WaitStandby(1));
+  // The successor waits: the draining server is asked to stop.
+  pollfd p{a.get(), POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 20000), 1);
+  char buf[256];
+  const ssize_t n = recv(a.get(), buf, sizeof(buf), 0);
+  ASSERT_GT(n, 0);
+  EXPECT_TRUE(IsStopRequest(absl::string_view(buf, static_cast<size_t>(n)))) << std::string(buf, n);
+  lt_.RunOnLoop([&] {
+    EXPECT_EQ(endpoint_->relieved(), 1);
+    EXPECT_TRUE(endpoint_->serving()) << "a draining server still serves";
+    EXPECT_TRUE(gone_.empty());
+  });
+  // It stops; the successor is offered the live connection, told it may drain in turn.
+  a.Reset();
+  auto mb = ReceiveHandoffMessage(b.get());
+  ASSERT_TRUE(mb.ok() && mb->fd.valid()) << mb.status();
+  auto cb = DecodeMountConfig(mb->payload);
+  ASSERT_TRUE(cb.ok());
+  EXPECT_TRUE(cb->live);
+  EXPECT_EQ(cb->drain_ms, 25000);
+  // A server on the main socket (a sidecar) is not.
+  UniqueFd side = Connect(SockPath());
+  auto ms = ReceiveHandoffMessage(side.get());
+  ASSERT_TRUE(ms.ok());
+  if (ms->fd.valid()) {
+    auto cs = DecodeMountConfig(ms->payload);
+    ASSERT_TRUE(cs.ok());
+    EXPECT_EQ(cs->drain_ms, 0);
+  }
+}
+
+// The other order: a successor already waits when the serving server starts draining (a roll
+// deletes the old pod only then): it is asked to stop at once.
+TEST_F(StandbyTest, ADrainingServerWithASuccessorWaitingIsAskedToStopAtOnce) {
+  HandoffOptions o;
+  o.drain_wait = absl::Seconds(25);
+  StartEndpoint(o);
+  AddPodListener("pod-a");
+  AddPodListener("pod-b");
+  UniqueFd a = Connect(dir_.path() + "/pod-a");
+  auto ma = ReceiveHandoffMessage(a.get());
+  ASSERT_TRUE(ma.ok() && ma->fd.valid());
+  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a"}), -1).ok());
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  UniqueFd b = Connect(dir_.path() + "/pod-b");
+  ASSERT_TRUE(WaitStandby(1));
+  pollfd p{a.get(), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 0), 0) << "not draining: nothing is asked";
+  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a", .draining = true}), -1).ok());
+  ASSERT_EQ(poll(&p, 1, 20000), 1);
+  char buf[256];
+  const ssize_t n = recv(a.get(), buf, sizeof(buf), 0);
+  ASSERT_GT(n, 0);
+  EXPECT_TRUE(IsStopRequest(absl::string_view(buf, static_cast<size_t>(n))));
+}
+
 TEST_F(StandbyTest, AStandbyThatHungUpIsSkippedAndARemovedListenerDropsItsStandby) {
   StartEndpoint();
   AddPodListener("pod-a");

@@ -122,6 +122,28 @@ TEST(HandoffProtocolTest, RelayedServersAndTheirRestartsRoundTrip) {
   EXPECT_FALSE(DecodeHandoffReply(R"({"version":1,"ok":true,"relayed":"yes"})").ok());
 }
 
+TEST(HandoffProtocolTest, DrainingRoundTrips) {
+  MountConfig c;
+  c.volume_id = "v";
+  c.drain_ms = 25000;
+  auto back = DecodeMountConfig(EncodeMountConfig(c));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->drain_ms, 25000);
+  c.drain_ms = 0;
+  EXPECT_EQ(EncodeMountConfig(c).find("drain_ms"), std::string::npos) << "absent when off";
+  EXPECT_FALSE(DecodeMountConfig(R"({"version":1,"volume_id":"v","drain_ms":-1})").ok());
+  EXPECT_FALSE(DecodeMountConfig(R"({"version":1,"volume_id":"v","drain_ms":"soon"})").ok());
+  auto r = DecodeHandoffReply(EncodeHandoffReply({.ok = true, .draining = true}));
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->draining);
+  EXPECT_FALSE(DecodeHandoffReply(R"({"version":1,"ok":true,"draining":1})").ok());
+  EXPECT_TRUE(IsStopRequest(EncodeStopRequest()));
+  EXPECT_FALSE(IsStopRequest(R"({"version":1,"stop":false})"));
+  EXPECT_FALSE(IsStopRequest(R"({"version":2,"stop":true})"));
+  EXPECT_FALSE(IsStopRequest("{not json"));
+  EXPECT_FALSE(IsStopRequest(EncodeHandoffRefusal("no")));
+}
+
 // A relay's state memfd travels with its ok reply (and re-deposits) and with a live config.
 TEST(HandoffProtocolTest, RelayStateFlagsRoundTrip) {
   HandoffReply r{.ok = true};

@@ -37,9 +37,9 @@ class ServerPodE2ETest : public FuseE2ETest {
     auto c = Ctx();
     return node_->NodeStageVolume(c.get(), r, &resp);
   }
-  void StartAgentInCluster() {
+  void StartAgentInCluster(std::vector<std::string> extra = {}) {
     StartKube();
-    RestartAgent();
+    RestartAgent(std::move(extra));
   }
 
   struct PodSeen {
@@ -202,18 +202,46 @@ TEST_F(ServerPodE2ETest, ADeletedServerPodIsMadeAgainAndItsServerTakesOverWithou
   Subprocess* server = v.server;
   auto& r = v.reader;
 
-  // kubectl delete pod: the API server forgets it, the kubelet stops its container.
+  // kubectl delete pod: the API server forgets it, the kubelet stops its container. Its server
+  // drains: it serves on while the pod is made again and stops once the new server waits.
   ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + first.name), 200);
   server->Signal(SIGTERM);
-  ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+  ASSERT_TRUE(agent_->WaitForStderr("ServerDraining", 1, kTestDeadline)) << agent_->Stderr();
   ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid != first.uid; })) << kube_->PodStore();
   const PodSeen second = Pods().at(0);
   EXPECT_EQ(second.name, first.name) << "the same pod, made again";
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << "the draining server still serves";
+  EXPECT_FALSE(server->Wait(std::chrono::milliseconds(0)).has_value()) << "it waits for its successor";
   Subprocess* next = RunPod(second);
+  ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value());
+  EXPECT_TRUE(absl::StrContains(server->Stderr(), "stopping: the agent's successor server waits")) << server->Stderr();
+  ASSERT_TRUE(agent_->WaitForStderr("on standby from " + second.uid + " takes over", 1, kTestDeadline))
+      << agent_->Stderr();
   r->Mark();
   ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << next->Stderr() << agent_->Stderr();
-  EXPECT_EQ(r->errors(), 0) << "reads waited for the new server; none failed";
+  EXPECT_EQ(r->errors(), 0) << "no read failed";
+  EXPECT_EQ(agent_->CountInStderr("fresh FUSE connection mounted"), 0) << agent_->Stderr();
   EXPECT_TRUE(agent_->WaitForStderr("ServerPodRecreated", 1, kTestDeadline));
+}
+
+// A server asked to stop while nothing replaces it (its container stopped, the pod kept) stops
+// at the end of its drain time: draining never keeps a server past what the agent allowed.
+TEST_F(ServerPodE2ETest, ADrainingServerWithoutASuccessorStopsAtItsDeadline) {
+  StartAgentInCluster({"--server_drain_ms=300", "--server_grace_period_s=2"});
+  Served v = StageServeAndRead("pv-drain-deadline");
+  ASSERT_NE(v.server, nullptr);
+  v.server->Signal(SIGTERM);
+  ASSERT_TRUE(v.server->Wait(std::chrono::milliseconds(20000)).has_value());
+  EXPECT_TRUE(absl::StrContains(v.server->Stderr(), "at most 300 ms")) << v.server->Stderr();
+  EXPECT_TRUE(absl::StrContains(v.server->Stderr(), "no successor came within the drain time")) << v.server->Stderr();
+  EXPECT_TRUE(agent_->WaitForStderr("ServerDraining", 1, kTestDeadline)) << agent_->Stderr();
+  // The kubelet restarts the container in the same pod: its server takes the connection over.
+  auto& r = v.reader;
+  r->Mark();
+  Subprocess* again = RunPod(v.pod);
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << again->Stderr() << agent_->Stderr();
+  EXPECT_EQ(r->errors(), 0);
 }
 
 // kubectl delete pod (or a preemption) as a real API server does it: the pod stays, terminating,
@@ -239,6 +267,7 @@ TEST_F(ServerPodE2ETest, AServerPodBeingDeletedHasItsSuccessorWaitingBeforeItSto
   ASSERT_TRUE(v.server->Wait(std::chrono::milliseconds(20000)).has_value());
   ASSERT_TRUE(agent_->WaitForStderr("on standby from " + second.uid + " takes over", 1, kTestDeadline))
       << agent_->Stderr();
+  EXPECT_TRUE(absl::StrContains(v.server->Stderr(), "stopping: the agent's successor server waits")) << v.server->Stderr();
   ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + first.name), 200);
   ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << next->Stderr() << agent_->Stderr();
   EXPECT_EQ(r->errors(), 0);
