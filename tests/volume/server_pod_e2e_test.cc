@@ -248,6 +248,41 @@ TEST_F(ServerPodE2ETest, ADrainingServerWithoutASuccessorStopsAtItsDeadline) {
 // while its kubelet stops it. Its successor is made at once under a second name; its server
 // waits on standby and takes over the moment the old one stops, so reads wait no longer than
 // that (before, the successor came only once the old pod object was gone: 8.7 s on a kubelet).
+// The same for a program served through `fkserve launch` (relayed; here a libfuse program): the
+// draining launcher relays on until the successor's launcher waits, which then carries on from
+// the relay state — no read fails, no fresh connection.
+TEST_F(ServerPodE2ETest, ARelayedServerPodDrainsToItsSuccessor) {
+  StartAgentInCluster();
+  const std::string hello = root_.path() + "/hello_fuse";
+  fs::copy_file(RunfilePath("tests/testing/hello_fuse"), hello);
+  chmod(hello.c_str(), 0755);
+  auto ctx = ServerContext();
+  ctx["serverArgs"] = R"(["--socket={socket}", "launch", "--", ")" + hello + R"(", "/dev/fd/{fd}", "relayed hello\n"])";
+  ASSERT_TRUE(Stage("pv-relayed", ctx).ok()) << agent_->Stderr();
+  auto pods = Pods();
+  ASSERT_EQ(pods.size(), 1u) << kube_->PodStore();
+  const PodSeen first = pods[0];
+  Subprocess* server = RunPod(first);
+  const std::string target = Pod("app-1", "pv-relayed");
+  ASSERT_TRUE(PublishStaged("pv-relayed", Staging("pv-relayed"), target, "app-1", "app-1").ok());
+  auto r = PodReader(target, "hello");
+  ASSERT_TRUE(r->WaitForReadsOf("relayed hello\n")) << r->setup_error() << server->Stderr() << agent_->Stderr();
+
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + first.name), 200);
+  server->Signal(SIGTERM);
+  ASSERT_TRUE(agent_->WaitForStderr("ServerDraining", 1, kTestDeadline)) << agent_->Stderr() << server->Stderr();
+  ASSERT_TRUE(WaitPods([&](const auto& p) { return p.size() == 1 && p[0].uid != first.uid; })) << kube_->PodStore();
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("relayed hello\n")) << "the draining launcher still serves";
+  Subprocess* next = RunPod(Pods().at(0));
+  ASSERT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value()) << server->Stderr();
+  EXPECT_TRUE(absl::StrContains(server->Stderr(), "stopping: the agent's successor server waits")) << server->Stderr();
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("relayed hello\n")) << next->Stderr() << agent_->Stderr();
+  EXPECT_EQ(r->errors(), 0);
+  EXPECT_EQ(agent_->CountInStderr("fresh FUSE connection mounted"), 0) << agent_->Stderr();
+}
+
 TEST_F(ServerPodE2ETest, AServerPodBeingDeletedHasItsSuccessorWaitingBeforeItStops) {
   StartAgentInCluster();
   Served v = StageServeAndRead("pv-terminating");
