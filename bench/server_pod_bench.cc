@@ -4,21 +4,29 @@
 //    the mount), the "kubelet" starting the pod's server, and the first answer through the
 //    staged mount (a statfs). Counters: stage_ms (the RPC, the POST included), answer_ms (server
 //    start → first answer: the agent finding the emptyDir, listening, the handoff), p50/p99.
+//  - BM_DeletedServerPodReadStall/drain:0|1: a served volume's server pod deleted (kubectl delete:
+//    the object goes, the kubelet SIGTERMs the server) while a reader statfs()es the mount in a
+//    loop; the "kubelet" starts the successor 500 ms after it appears (a container start, as
+//    measured on a real kubelet). Counter: the reader's longest wait (p50/max over iterations),
+//    the server draining (the default) or stopping at once (--server_drain_ms=0), side by side.
 //  - BM_AgentRssPerServerPodVolume/100: the agent's RSS before and after 100 such volumes staged
 //    and served: the added bytes per managed volume.
 // Needs root. bazel build -c opt //bench:server_pod_bench && bazel-out/k8-opt/bin/bench/server_pod_bench
 #include <sched.h>
+#include <signal.h>
 #include <sys/mount.h>
 #include <sys/statfs.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -45,7 +53,7 @@ double Ms(std::chrono::steady_clock::duration d) { return std::chrono::duration<
 
 class FakeNode {
  public:
-  FakeNode() {
+  explicit FakeNode(std::vector<std::string> extra_flags = {}) {
     char t[] = "/tmp/fk-srvbench-XXXXXX";
     root_ = mkdtemp(t);
     PCHECK(mount("tmpfs", root_.c_str(), "tmpfs", 0, "mode=0755") == 0);
@@ -63,11 +71,13 @@ class FakeNode {
     fs::create_directories(root_ + "/secrets");
     fs::copy_file(kube_->ca_file(), root_ + "/secrets/ca.crt");
     { std::ofstream(root_ + "/secrets/token") << "t"; }
+    std::vector<std::string> argv = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_ + "/csi.sock",
+                                     "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + root_ + "/state",
+                                     "--kube_secrets_dir=" + root_ + "/secrets", "--server_namespace=fk",
+                                     "--server_pod_resync_ms=60000", "--audit_period_ms=600000"};
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
     agent_ = std::make_unique<Subprocess>(
-        std::vector<std::string>{RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_ + "/csi.sock",
-                                 "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + root_ + "/state",
-                                 "--kube_secrets_dir=" + root_ + "/secrets", "--server_namespace=fk",
-                                 "--server_pod_resync_ms=60000", "--audit_period_ms=600000"},
+        argv,
         std::vector<std::string>{"KUBERNETES_SERVICE_HOST=127.0.0.1",
                                  "KUBERNETES_SERVICE_PORT=" + std::to_string(kube_->port())});
     CHECK(agent_->WaitForStderr("CSI server listening", 1, std::chrono::seconds(60))) << agent_->Stderr();
@@ -101,20 +111,25 @@ class FakeNode {
     CHECK(st.ok()) << st.error_message() << agent_->Stderr();
     return staging;
   }
-  // The kubelet's part for the pod of volume `id`: its emptyDir and its server.
-  void RunPod(const std::string& id) {
+  // The pod of volume `id` in the double: its name and uid (empty if none).
+  std::pair<std::string, std::string> PodOf(const std::string& id) {
     const std::string json = kube_->PodStore();
     simdjson::dom::parser parser;
     simdjson::dom::element doc = parser.parse(json);
-    std::string uid;
     for (auto [key, pod] : doc.get_object()) {
-      std::string_view v, vid;
+      std::string_view name, uid, vid;
       if (!pod.at_pointer("/metadata/annotations/fusekeeper.io~1volume-id").get_string().get(vid) && vid == id &&
-          !pod.at_pointer("/metadata/uid").get_string().get(v)) {
-        uid = std::string(v);
+          !pod.at_pointer("/metadata/uid").get_string().get(uid) &&
+          !pod.at_pointer("/metadata/name").get_string().get(name)) {
+        return {std::string(name), std::string(uid)};
       }
     }
-    CHECK(!uid.empty()) << json;
+    return {};
+  }
+  // The kubelet's part for the pod of volume `id`: its emptyDir and its server.
+  Subprocess* RunPod(const std::string& id) {
+    const std::string uid = PodOf(id).second;
+    CHECK(!uid.empty()) << kube_->PodStore();
     const std::string dir = kubelet_ + "/pods/" + uid + "/volumes/kubernetes.io~empty-dir/fusekeeper-handoff";
     fs::create_directories(dir);
     chmod(dir.c_str(), 0777);
@@ -125,6 +140,20 @@ class FakeNode {
         std::vector<std::string>{}, [] {
           if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(99);
         }));
+    return servers_.back().get();
+  }
+  // kubectl delete of the volume's pod: the object goes, the kubelet SIGTERMs `server`. Returns
+  // once the agent has made the next pod (its uid).
+  std::string DeletePod(const std::string& id, Subprocess* server) {
+    const auto [name, uid] = PodOf(id);
+    CHECK_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk/pods/" + name), 200);
+    server->Signal(SIGTERM);
+    std::string next;
+    CHECK(kube_->WaitUntil([&] {
+      next = PodOf(id).second;
+      return !next.empty() && next != uid;
+    })) << kube_->PodStore() << agent_->Stderr();
+    return next;
   }
   pid_t agent_pid() const { return agent_->pid(); }
 
@@ -179,6 +208,41 @@ void BM_StageToFirstAnswer(benchmark::State& state) {
   state.counters["total_ms_p50"] = Percentile(total_ms, 0.5);
 }
 BENCHMARK(BM_StageToFirstAnswer)->Iterations(30)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_DeletedServerPodReadStall(benchmark::State& state) {
+  const bool drain = state.range(0) == 1;
+  FakeNode node(drain ? std::vector<std::string>{} : std::vector<std::string>{"--server_drain_ms=0"});
+  std::vector<double> stall_ms;
+  int i = 0;
+  for (auto _ : state) {
+    const std::string id = absl::StrCat("pv-", i++);
+    const std::string staging = node.Stage(id);
+    Subprocess* server = node.RunPod(id);
+    FirstAnswer(staging);
+    std::atomic<bool> stop{false};
+    double worst = 0;
+    std::thread reader([&] {
+      while (!stop) {
+        const auto t0 = std::chrono::steady_clock::now();
+        struct statfs st;
+        CHECK_EQ(statfs(staging.c_str(), &st), 0);
+        worst = std::max(worst, Ms(std::chrono::steady_clock::now() - t0));
+      }
+    });
+    node.DeletePod(id, server);
+    // The kubelet starts the new pod's container (measured: about 500 ms on a real kubelet).
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    node.RunPod(id);
+    CHECK(server->Wait(std::chrono::milliseconds(30000)).has_value()) << "the old server never stopped";
+    FirstAnswer(staging);
+    stop = true;
+    reader.join();
+    stall_ms.push_back(worst);
+  }
+  state.counters["read_stall_ms_p50"] = Percentile(stall_ms, 0.5);
+  state.counters["read_stall_ms_max"] = Percentile(stall_ms, 1.0);
+}
+BENCHMARK(BM_DeletedServerPodReadStall)->ArgName("drain")->Arg(0)->Arg(1)->Iterations(10)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_AgentRssPerServerPodVolume(benchmark::State& state) {
   const int n = static_cast<int>(state.range(0));
