@@ -14,11 +14,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!again.ok() || again->volume_id != config->volume_id ||
         again->mount_options != config->mount_options || again->volume_context != config->volume_context ||
         again->secrets != config->secrets || again->uid != config->uid || again->gid != config->gid ||
-        again->mount_group != config->mount_group || again->read_only != config->read_only) {
+        again->mount_group != config->mount_group || again->read_only != config->read_only ||
+        again->drain_ms != config->drain_ms) {
       __builtin_trap();
     }
   }
-  (void)fusekeeper::DecodeHandoffReply(input);
+  auto reply = fusekeeper::DecodeHandoffReply(input);
+  if (reply.ok()) {
+    auto again = fusekeeper::DecodeHandoffReply(fusekeeper::EncodeHandoffReply(*reply));
+    if (!again.ok() || again->draining != reply->draining || again->ok != reply->ok) __builtin_trap();
+  }
+  (void)fusekeeper::IsStopRequest(input);
   (void)fusekeeper::JsonQuote(input);
   return 0;
 }
