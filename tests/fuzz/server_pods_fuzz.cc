@@ -11,7 +11,13 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string in(reinterpret_cast<const char*>(data), size);
   (void)fusekeeper::ParseServerPodList(in);
-  (void)fusekeeper::ParseVolumeList(in, "fusekeeper.csi");
+  if (auto volumes = fusekeeper::ParseVolumeList(in, "fusekeeper.csi"); volumes.ok()) {
+    for (const auto& v : *volumes) {
+      auto percent = fusekeeper::ParseRolloutPercent(v.rollout, "rollout");
+      if (percent.ok() && (*percent < 0 || *percent > 100)) __builtin_trap();
+    }
+  }
+  (void)fusekeeper::ParseRolloutPercent(std::string(in), "rollout");
   (void)fusekeeper::ParsePodUid(in);
   (void)fusekeeper::ApiMessage(in);
   // The same bytes as a declaration: split at NULs into image, args, command, resources.
