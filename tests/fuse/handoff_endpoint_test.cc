@@ -470,6 +470,33 @@ class StandbyTest : public HandoffEndpointTest {
     lt_.RunOnLoop([&] { has = endpoint_->HasServerFrom(tag); });
     return has;
   }
+  // An endpoint whose servers may drain 25 s, listeners pod-a and pod-b, and pod-a's server
+  // serving; returns its connection and (in `config`) the config it was sent.
+  UniqueFd ServeFromPodA(MountConfig* config) {
+    HandoffOptions o;
+    o.drain_wait = absl::Seconds(25);
+    StartEndpoint(o);
+    AddPodListener("pod-a");
+    AddPodListener("pod-b");
+    UniqueFd a = Connect(dir_.path() + "/pod-a");
+    auto ma = ReceiveHandoffMessage(a.get());
+    EXPECT_TRUE(ma.ok() && ma->fd.valid());
+    if (!ma.ok()) return a;
+    auto decoded = DecodeMountConfig(ma->payload);
+    EXPECT_TRUE(decoded.ok());
+    if (decoded.ok()) *config = *decoded;
+    EXPECT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a"}), -1).ok());
+    EXPECT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+    return a;
+  }
+  // Whether the agent's next message on `server` (waited for, bounded) is a stop request.
+  static bool ReceivesStopRequest(int server) {
+    pollfd p{server, POLLIN, 0};
+    if (poll(&p, 1, 20000) != 1) return false;
+    char buf[256];
+    const ssize_t n = recv(server, buf, sizeof(buf), 0);
+    return n > 0 && IsStopRequest(absl::string_view(buf, static_cast<size_t>(n)));
+  }
 };
 
 TEST_F(StandbyTest, ANewPodsServerWaitsOnStandbyAndTakesOverTheLiveConnection) {
@@ -516,35 +543,19 @@ TEST_F(StandbyTest, ANewPodsServerWaitsOnStandbyAndTakesOverTheLiveConnection) {
 }
 
 // A server pod's server may drain (handoff_protocol.h): asked to stop, it says "draining" and
-// serves on; the agent asks it to stop once a successor waits on standby (whichever comes
-// first), and the successor then takes the live connection over. The main socket's servers
+// serves on; the agent asks it to stop once a successor waits on standby, and the
+// successor then takes the live connection over. The main socket's servers
 // (sidecars: their pod goes as a whole) are not told to drain.
 TEST_F(StandbyTest, ADrainingServerIsAskedToStopOnceASuccessorWaits) {
-  HandoffOptions o;
-  o.drain_wait = absl::Seconds(25);
-  StartEndpoint(o);
-  AddPodListener("pod-a");
-  AddPodListener("pod-b");
-  UniqueFd a = Connect(dir_.path() + "/pod-a");
-  auto ma = ReceiveHandoffMessage(a.get());
-  ASSERT_TRUE(ma.ok() && ma->fd.valid());
-  auto ca = DecodeMountConfig(ma->payload);
-  ASSERT_TRUE(ca.ok());
-  EXPECT_EQ(ca->drain_ms, 25000);
-  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a"}), -1).ok());
-  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
-
+  MountConfig ca;
+  UniqueFd a = ServeFromPodA(&ca);
+  EXPECT_EQ(ca.drain_ms, 25000);
   // Draining, with no successor yet: nothing is asked, and it still serves.
   ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a", .draining = true}), -1).ok());
   UniqueFd b = Connect(dir_.path() + "/pod-b");
   ASSERT_TRUE(WaitStandby(1));
   // The successor waits: the draining server is asked to stop.
-  pollfd p{a.get(), POLLIN, 0};
-  ASSERT_EQ(poll(&p, 1, 20000), 1);
-  char buf[256];
-  const ssize_t n = recv(a.get(), buf, sizeof(buf), 0);
-  ASSERT_GT(n, 0);
-  EXPECT_TRUE(IsStopRequest(absl::string_view(buf, static_cast<size_t>(n)))) << std::string(buf, n);
+  ASSERT_TRUE(ReceivesStopRequest(a.get()));
   lt_.RunOnLoop([&] {
     EXPECT_EQ(endpoint_->relieved(), 1);
     EXPECT_TRUE(endpoint_->serving()) << "a draining server still serves";
@@ -572,26 +583,14 @@ TEST_F(StandbyTest, ADrainingServerIsAskedToStopOnceASuccessorWaits) {
 // The other order: a successor already waits when the serving server starts draining (a roll
 // deletes the old pod only then): it is asked to stop at once.
 TEST_F(StandbyTest, ADrainingServerWithASuccessorWaitingIsAskedToStopAtOnce) {
-  HandoffOptions o;
-  o.drain_wait = absl::Seconds(25);
-  StartEndpoint(o);
-  AddPodListener("pod-a");
-  AddPodListener("pod-b");
-  UniqueFd a = Connect(dir_.path() + "/pod-a");
-  auto ma = ReceiveHandoffMessage(a.get());
-  ASSERT_TRUE(ma.ok() && ma->fd.valid());
-  ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a"}), -1).ok());
-  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  MountConfig ca;
+  UniqueFd a = ServeFromPodA(&ca);
   UniqueFd b = Connect(dir_.path() + "/pod-b");
   ASSERT_TRUE(WaitStandby(1));
   pollfd p{a.get(), POLLIN, 0};
   EXPECT_EQ(poll(&p, 1, 0), 0) << "not draining: nothing is asked";
   ASSERT_TRUE(SendHandoffMessage(a.get(), EncodeHandoffReply({.ok = true, .server = "a", .draining = true}), -1).ok());
-  ASSERT_EQ(poll(&p, 1, 20000), 1);
-  char buf[256];
-  const ssize_t n = recv(a.get(), buf, sizeof(buf), 0);
-  ASSERT_GT(n, 0);
-  EXPECT_TRUE(IsStopRequest(absl::string_view(buf, static_cast<size_t>(n))));
+  EXPECT_TRUE(ReceivesStopRequest(a.get()));
 }
 
 TEST_F(StandbyTest, AStandbyThatHungUpIsSkippedAndARemovedListenerDropsItsStandby) {
