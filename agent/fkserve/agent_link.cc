@@ -171,6 +171,7 @@ UniqueFd AgentLink::Redeposit() {
       r.relayed = relayed_;
       r.init = init_;
       r.relay_state = relay_state_.valid();
+      r.draining = draining_ && !stop_released_;  // a restarted agent learns it still waits for a successor
       auto sent = SendHandoffMessage(s.get(), EncodeHandoffReply(Named(r)), fuse_dup_.get(), relay_state_.get());
       if (sent.ok()) {
         fprintf(stderr, "fkserve: re-deposited the FUSE connection with the agent\n");

@@ -229,6 +229,15 @@ void HandoffEndpoint::ToStandby(Connection* c) {
   RelieveDrainer();
 }
 
+void HandoffEndpoint::MarkDraining(Connection* c) {
+  if (c != serving_connection_ || c->draining || stopped_) return;
+  c->draining = true;
+  LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
+            << " was asked to stop and serves on until a successor waits to take over";
+  if (events_.on_draining) events_.on_draining();
+  RelieveDrainer();
+}
+
 void HandoffEndpoint::RelieveDrainer() {
   Connection* c = serving_connection_;
   if (c == nullptr || !c->draining || c->relieved || !c->fd.valid() || standby_.empty()) return;
@@ -569,6 +578,8 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
               << " re-deposited its live FUSE connection";
     ArmAbortWatch();
     Finish(c, absl::OkStatus(), *reply);  // the same server goes on serving: not an adoption
+    // It was draining when the agent went away: it still waits for its successor.
+    if (reply->draining) MarkDraining(c);
   };
   io_uring_sqe* sqe = loop_.GetSqe();
   io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
@@ -643,13 +654,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
       if (reply.ok() && reply->ok && reply->draining && !stopped_) {
         // Asked to stop, it serves on until a successor waits: not the end either.
-        if (c == serving_connection_ && !c->draining) {
-          c->draining = true;
-          LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
-                    << " was asked to stop and serves on until a successor waits to take over";
-          if (events_.on_draining) events_.on_draining();
-          RelieveDrainer();
-        }
+        MarkDraining(c);
         ArmServerReceive(c);
         return;
       }

@@ -160,6 +160,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void Admit(Connection* c);
   // Keeps c waiting on standby (at most four: the oldest goes).
   void ToStandby(Connection* c);
+  // The serving server c says it drains (asked to stop, it serves on): on_draining, and it is
+  // asked to stop at once if a successor already waits.
+  void MarkDraining(Connection* c);
   // A draining serving server is asked to stop once a server waits on standby to take over.
   void RelieveDrainer();
   // The serving server has gone: the first standby server still connected takes over.

@@ -73,6 +73,8 @@
 //   server → agent  {"version":1,"ok":true,"draining":true,"server":"..."}
 //   agent → server  {"version":1,"stop":true}
 //
+// A draining server's re-deposit to a restarted agent says "draining":true as well.
+//
 // Unknown fields are ignored (forward compatible); a different major version is refused. Secrets
 // travel only for volumes that ask for them (volume_context "fusekeeper.io/pass-secrets":"true").
 #pragma once

@@ -372,22 +372,22 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
       auto at = known_at_.find(name);
       return at != known_at_.end() && at->second >= listed_at;
     };
+    auto ended = [](const ListedServerPod& p) { return p.phase == "Failed" || p.phase == "Succeeded"; };
+    auto lives = [&](const ListedServerPod& p) { return !p.terminating && !ended(p); };
     for (auto known = w.pods.begin(); known != w.pods.end();) {
       const std::string name = known->first, uid = known->second;
       ++known;
       auto listed = by_name.find(name);
-      if (listed == by_name.end() ? !newer(name) : (listed->second->uid != uid || listed->second->terminating)) {
+      if (listed == by_name.end() ? !newer(name) : (listed->second->uid != uid || ended(*listed->second))) {
         Gone(w, name);
       }
     }
-    // Every live pod of the volume is known, not only the one it wants: the one a roll replaces
-    // may be the one serving (after an agent restart, its server re-deposits through it).
+    // Every pod of the volume whose server may still serve is known, not only the one it wants:
+    // the one a roll replaces, and one still terminating (its server drains until its successor
+    // waits), may be the one serving — after an agent restart its server re-deposits through it.
     const std::string label = VolumeLabelValue(vid);
-    auto lives = [](const ListedServerPod& p) {
-      return !p.terminating && p.phase != "Failed" && p.phase != "Succeeded";
-    };
     for (const auto& other : pods) {
-      if (other.volume_label == label && lives(other)) Known(w, other.name, other.uid);
+      if (other.volume_label == label && !ended(other)) Known(w, other.name, other.uid);
     }
     // The wanted pod under either of its names: whichever lives serves. One that failed for good
     // (evicted) is deleted; one still terminating is waited out under the other name.

@@ -212,11 +212,13 @@ TEST_F(ServerPodsTest, ATerminatingPodGetsItsSuccessorAtOnce) {
   ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name + "?graceful=true"), 200);
   ASSERT_TRUE(WaitStore([&](const auto& s) { return s.count(successor) > 0; })) << kube_->PodStore();
   EXPECT_EQ(Store().count(name), 1u) << "the old pod is still terminating";
-  EXPECT_TRUE(said_.WaitFor("gone vol-1 " + name + " " + first)) << said_.All();
   EXPECT_TRUE(said_.WaitFor("pod vol-1 " + successor + " " + Store()[successor])) << said_.All();
   EXPECT_TRUE(said_.WaitFor("event vol-1 ServerPodRecreated")) << said_.All();
-  // The kubelet is done with the old pod: nothing more is made.
+  // While it terminates, its server may still serve (draining): the old pod stays known.
+  EXPECT_EQ(said_.Count("gone vol-1 " + name), 0) << said_.All();
+  // The kubelet is done with the old pod: it is gone, and nothing more is made.
   ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + name), 200);
+  EXPECT_TRUE(said_.WaitFor("gone vol-1 " + name + " " + first)) << said_.All();
   const int lists = kube_->RequestsWith("GET /api/v1/namespaces/fk-system/pods?");
   ASSERT_TRUE(kube_->WaitForRequestsWith("GET /api/v1/namespaces/fk-system/pods?", lists + 3));
   EXPECT_EQ(Store().size(), 1u) << kube_->PodStore();

@@ -315,6 +315,32 @@ TEST_F(ServerPodE2ETest, AServerPodBeingDeletedHasItsSuccessorWaitingBeforeItSto
   EXPECT_EQ(pods[0].uid, second.uid);
 }
 
+// The agent restarts while a server drains (its pod deleted while the agent was down): the
+// server's re-deposit says it drains, so the restarted agent makes the successor and asks it to
+// stop as soon as the successor waits, instead of it serving out its whole drain time.
+TEST_F(ServerPodE2ETest, AServerDrainingAcrossAnAgentRestartIsStillRelievedByItsSuccessor) {
+  StartAgentInCluster();
+  Served v = StageServeAndRead("pv-drain-restart");
+  ASSERT_NE(v.server, nullptr);
+  const PodSeen first = v.pod;
+  auto& r = v.reader;
+  KillAgent();
+  ASSERT_EQ(kube_->Call("DELETE", "/api/v1/namespaces/fk-system/pods/" + first.name + "?graceful=true"), 200);
+  v.server->Signal(SIGTERM);
+  ASSERT_TRUE(v.server->WaitForStderr("asked to stop; serving on", 1, kTestDeadline)) << v.server->Stderr();
+  RestartAgent({"--redeposit_wait_ms=100"});
+  ASSERT_TRUE(agent_->WaitForStderr("re-deposited its live FUSE connection", 1, kTestDeadline)) << agent_->Stderr();
+  ASSERT_TRUE(WaitPods([](const auto& p) { return p.size() == 2; })) << kube_->PodStore() << agent_->Stderr();
+  const PodSeen second = OtherPod(first);
+  Subprocess* next = RunPod(second);
+  ASSERT_TRUE(v.server->Wait(std::chrono::milliseconds(20000)).has_value()) << v.server->Stderr() << agent_->Stderr();
+  EXPECT_TRUE(absl::StrContains(v.server->Stderr(), "stopping: the agent's successor server waits")) << v.server->Stderr();
+  r->Mark();
+  ASSERT_TRUE(r->WaitForReadsOf("hello from the export\n")) << next->Stderr() << agent_->Stderr();
+  EXPECT_EQ(r->errors(), 0);
+  EXPECT_EQ(agent_->CountInStderr("fresh FUSE connection mounted"), 0) << agent_->Stderr();
+}
+
 TEST_F(ServerPodE2ETest, AnAgentRestartFindsItsServerPodAndMakesNoOther) {
   StartAgentInCluster();
   Served v = StageServeAndRead("pv-restart");
