@@ -91,17 +91,21 @@ class FakeKube {
   }
   // How many requests whose "<VERB> <path>" contains `part` have arrived so far.
   int RequestsWith(const std::string& part) const { return server_->CountInStderr(part); }
-  // Waits until `holds()` is true, looking again at each request the double receives (no
-  // sleeping), for at most 20 s even while requests keep coming.
+  // Waits until `holds()` is true, looking again each time the double has handled a request
+  // (no sleeping), for at most 20 s even while requests keep coming. (Counting requests that
+  // arrived instead missed a change made by a request already counted but not yet handled,
+  // and then waited for the next request: 20 s in a bench whose agent asked nothing more.)
   template <typename Holds>
   bool WaitUntil(Holds holds) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    for (int seen = requests(); std::chrono::steady_clock::now() < deadline; ++seen) {
+    for (int seen = handled(); std::chrono::steady_clock::now() < deadline; ++seen) {
       if (holds()) return true;
-      if (!WaitForRequests(seen + 1)) break;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0 || !server_->WaitForStderr("done ", seen + 1, left)) break;
     }
     return holds();
   }
+  int handled() const { return server_->CountInStderr("done "); }
   // Waits until `n` requests have arrived in total.
   bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }
   int requests() const { return server_->CountInStderr("req "); }

@@ -20,7 +20,9 @@ Serves:  POST  /api/v1/namespaces/<ns>/events          (201; an existing name: 4
          PATCH  /api/v1/namespaces/<ns>/pods/<name>/status  (merges "status": a test evicts a pod)
          The pods are also written to --pod-store-file after each change (a JSON object by
          "<ns>/<name>"), for tests to read.
-Every request is appended to --log as one JSON line {"verb","path","auth","body"}.
+Every request is appended to --log as one JSON line {"verb","path","auth","body"}; stderr says
+"req VERB path" as it arrives and "done VERB:path" once it has been handled and answered (a
+form that what tests look for in "req" lines does not match).
 --mode-file, re-read per request, makes it misbehave: "ok", "500", "401", "403", "garbage", "slow".
 The chosen port is written to --port-file once listening.
 """
@@ -191,15 +193,19 @@ class H(BaseHTTPRequestHandler):
 
     def do_DELETE(self):
         self.handle_any("DELETE")
+        print("done", "DELETE:" + self.path, flush=True, file=sys.stderr)
 
     def do_GET(self):
         self.handle_any("GET")
+        print("done", "GET:" + self.path, flush=True, file=sys.stderr)
 
     def do_POST(self):
         self.handle_any("POST")
+        print("done", "POST:" + self.path, flush=True, file=sys.stderr)
 
     def do_PATCH(self):
         self.handle_any("PATCH")
+        print("done", "PATCH:" + self.path, flush=True, file=sys.stderr)
 
 
 srv = ThreadingHTTPServer(("127.0.0.1", 0), H)

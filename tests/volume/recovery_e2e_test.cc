@@ -302,7 +302,8 @@ TEST_F(RecoveryE2ETest, RepairsAfterAgentRestartsInNewMountNamespacesReachTheRun
     struct stat st;
     ASSERT_EQ(stat(path.c_str(), &st), 0);
     ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
-    ASSERT_TRUE(serving->Wait(std::chrono::milliseconds(20000)).has_value());
+    ASSERT_TRUE(serving->Wait(std::chrono::milliseconds(20000)).has_value())
+        << round << ": the server of the aborted connection stopped\n" << serving->Stderr() << agent_->Stderr();
     Subprocess* next = serving = StartServer(socket);
     ASSERT_TRUE(reader->WaitForReadsOf(want)) << round << ": the container reads through the fresh connection; last '"
                                               << reader->last() << "' errors " << reader->errors() << "\n"
