@@ -74,7 +74,8 @@ class KubeletPollerTest : public ::testing::Test {
     lt_.StopAndJoin();
     poller_.reset();
     http_.reset();
-    pool_->Shutdown(absl::Seconds(5));
+    // A SetUp that failed (the double did not start) made no pool: a failure, not a crash.
+    if (pool_) pool_->Shutdown(absl::Seconds(5));
     std::filesystem::remove_all(dir_);
   }
   bool WaitFor(std::function<bool()> pred) {

@@ -47,7 +47,7 @@ class ApiClientTest : public ::testing::Test {
   }
   void TearDown() override {
     lt_.RunOnLoop([&] { DestroyClient(); });
-    pool_->Shutdown(absl::Seconds(5));
+    if (pool_) pool_->Shutdown(absl::Seconds(5));  // none if SetUp failed early
     lt_.StopAndJoin();
     http_.reset();
   }

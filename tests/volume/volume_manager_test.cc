@@ -39,8 +39,9 @@ class VolumeManagerTest : public ::testing::Test {
     });
   }
   void TearDown() override {
-    pool_->Shutdown(absl::Seconds(5));
-    probe_pool_->Shutdown(absl::Seconds(5));
+    // None if SetUp failed before making them: a failure, not a crash.
+    if (pool_) pool_->Shutdown(absl::Seconds(5));
+    if (probe_pool_) probe_pool_->Shutdown(absl::Seconds(5));
     lt_.StopAndJoin();
   }
   void StartManager() {
