@@ -204,8 +204,29 @@ class PodWorkload {
           for (ssize_t m; r >= 0 && (m = read(r, buf.data(), buf.size())) > 0;) got_log.append(buf.data(), m);
           if (r >= 0) close(r);
           if (got_log != log_want) {
+            size_t at = 0;
+            while (at < got_log.size() && at < log_want.size() && got_log[at] == log_want[at]) ++at;
+            std::string g = got_log.substr(at, 40), w = log_want.substr(at, 40);
+            for (auto& ch : g) if (ch == '\n') ch = '|'; else if (ch == 0) ch = '@';
+            for (auto& ch : w) if (ch == '\n') ch = '|'; else if (ch == 0) ch = '@';
+            // Past the page cache: what the server itself answers.
+            std::string direct = "(O_DIRECT open failed)";
+            const int d = open((v + "/log.txt").c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+            if (d >= 0) {
+              void* mem = nullptr;
+              if (posix_memalign(&mem, 4096, 1 << 16) == 0) {
+                const ssize_t n = read(d, mem, 1 << 16);
+                direct = n < 0 ? "(O_DIRECT read failed)"
+                               : (std::string(static_cast<char*>(mem), static_cast<size_t>(n)) == log_want
+                                      ? "the server answers it right (the page cache was stale)"
+                                      : "the server answers it wrong too");
+                free(mem);
+              }
+              close(d);
+            }
             Report(out, "-finish: log.txt differs (" + std::to_string(got_log.size()) + " bytes, want " +
-                            std::to_string(log_want.size()) + ")");
+                            std::to_string(log_want.size()) + ") at " + std::to_string(at) + ": got '" + g + "' want '" +
+                            w + "'; " + direct);
             final_ok = false;
           }
           std::string got_data(data_want.size(), '\0');
