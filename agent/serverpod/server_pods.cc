@@ -365,15 +365,14 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
                     const std::string& message) {
     if (events_.on_event) events_.on_event(vid, type, reason, message);
   };
+  // A pod learnt of after this list was asked for may be missing from it: no news.
+  auto newer = [&](const std::string& name) {
+    auto at = known_at_.find(name);
+    return at != known_at_.end() && at->second >= listed_at;
+  };
+  auto ended = [](const ListedServerPod& p) { return p.phase == "Failed" || p.phase == "Succeeded"; };
   for (auto& [vid, w] : wanted_) {
-    // Pods known before that are gone, going, or failed.
-    // (A pod learnt of after this list was asked for may be missing from it: no news.)
-    auto newer = [&](const std::string& name) {
-      auto at = known_at_.find(name);
-      return at != known_at_.end() && at->second >= listed_at;
-    };
-    auto ended = [](const ListedServerPod& p) { return p.phase == "Failed" || p.phase == "Succeeded"; };
-    auto lives = [&](const ListedServerPod& p) { return !p.terminating && !ended(p); };
+    // Pods known before that are gone, or failed.
     for (auto known = w.pods.begin(); known != w.pods.end();) {
       const std::string name = known->first, uid = known->second;
       ++known;
@@ -392,18 +391,18 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
     // The wanted pod under either of its names: whichever lives serves. One that failed for good
     // (evicted) is deleted; one still terminating is waited out under the other name.
     const ListedServerPod* current = nullptr;
+    const ServerPodManifest* free = nullptr;  // the first name no pod has
     bool in_flight = false;  // a POST not answered, or a pod made after this list was asked for
-    std::vector<std::string> free_names;
     for (const ServerPodManifest* m : {&w.manifest, &w.successor}) {
       in_flight |= creating_.count(m->name) > 0 || newer(m->name);
       auto listed = by_name.find(m->name);
       if (listed == by_name.end()) {
-        free_names.push_back(m->name);
+        if (free == nullptr) free = m;
         continue;
       }
       const ListedServerPod& p = *listed->second;
       w.created_once = true;
-      if (lives(p)) {
+      if (!p.terminating && !ended(p)) {
         if (current == nullptr) current = &p;
       } else if (!p.terminating) {
         Delete(p.name, vid, absl::StrCat("it has stopped for good (phase ", p.phase, ")"));
@@ -413,12 +412,11 @@ void ServerPods::Reconcile(const std::vector<ListedServerPod>& pods, uint64_t li
       }
     }
     if (current == nullptr) {
-      if (in_flight || free_names.empty()) continue;  // both names still going: the next resync
+      if (in_flight || free == nullptr) continue;  // both names still going: the next resync
       const bool again = w.created_once;
       w.created_once = true;
       if (again) ++stats_.recreated;
-      const ServerPodManifest& m = free_names[0] == w.manifest.name ? w.manifest : w.successor;
-      Post(vid, m, [this, vid, again, say](absl::Status s) {
+      Post(vid, *free, [this, vid, again, say](absl::Status s) {
         if (!s.ok()) {
           LOG(WARNING) << s.message();
           say(vid, "Warning", "ServerPodNotCreated", std::string(s.message()));
