@@ -58,6 +58,15 @@ AgentLink::~AgentLink() {
   if (thread_.joinable()) thread_.join();
 }
 
+void AgentLink::set_drain_ms(int64_t ms) {
+  if (ms <= 0) return;
+  if (!ArmDrainGate()) {
+    fprintf(stderr, "fkserve: cannot hold stop signals: no draining\n");
+    return;
+  }
+  drain_ms_ = ms;
+}
+
 void AgentLink::Start() {
   // Stop signals (SIGTERM from kubelet) go to the serving thread, whose blocking read they must
   // interrupt.
@@ -70,10 +79,7 @@ void AgentLink::Report(bool ok, const std::string& error) {
   HandoffReply r;
   r.ok = ok;
   r.error = error;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!sock_) return;
-  auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
-  if (!s.ok()) fprintf(stderr, "fkserve: reporting to the agent: %s\n", std::string(s.message()).c_str());
+  Send(r, "reporting to the agent");
 }
 
 void AgentLink::Notice(const std::string& text, int64_t restart_ms) {
@@ -81,10 +87,14 @@ void AgentLink::Notice(const std::string& text, int64_t restart_ms) {
   r.ok = true;
   r.notice = text;
   r.restart_ms = restart_ms;
+  Send(r, "telling the agent");
+}
+
+void AgentLink::Send(const HandoffReply& r, const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!sock_) return;
   auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
-  if (!s.ok()) fprintf(stderr, "fkserve: telling the agent: %s\n", std::string(s.message()).c_str());
+  if (!s.ok()) fprintf(stderr, "fkserve: %s: %s\n", what, std::string(s.message()).c_str());
 }
 
 void AgentLink::CheckDrain() {
@@ -97,11 +107,7 @@ void AgentLink::CheckDrain() {
     HandoffReply r;
     r.ok = true;
     r.draining = true;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (sock_) {
-      auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
-      if (!s.ok()) fprintf(stderr, "fkserve: telling the agent: %s\n", std::string(s.message()).c_str());
-    }
+    Send(r, "telling the agent");
     return;
   }
   if (std::chrono::steady_clock::now() >= drain_deadline_) StopServing("no successor came within the drain time");

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "agent/base/unique_fd.h"
+#include "agent/fuse/handoff_protocol.h"
 
 namespace fusekeeper {
 
@@ -45,9 +46,10 @@ class AgentLink {
   void set_relayed(bool relayed) { relayed_ = relayed; }
   // The relay's state memfd (a dup), re-deposited with the connection. Before Start().
   void set_relay_state(UniqueFd state) { relay_state_ = std::move(state); }
-  // Drain for at most `ms` once a SIGTERM is held (the gate armed by the serving thread). Before
-  // Start().
-  void set_drain_ms(int64_t ms) { drain_ms_ = ms; }
+  // From the serving thread, after its mode installed its stop handlers, before Start(): `ms` > 0
+  // arms the drain gate (drain_gate.h) and drains for at most `ms` once a SIGTERM is held. A gate
+  // that cannot be armed is said, and stop signals then act at once.
+  void set_drain_ms(int64_t ms);
   // Starts watching (a thread).
   void Start();
   // Sends the final HandoffReply on the current connection and stops watching. Any thread.
@@ -60,6 +62,8 @@ class AgentLink {
   void Run();
   // Blocking: connects and re-deposits; returns the new connection, or an invalid fd if it gave up.
   UniqueFd Redeposit();
+  // Sends `r` (named) on the current connection, if there is one; a failure is printed (`what`).
+  void Send(const HandoffReply& r, const char* what);
   // Starts draining once a SIGTERM is held; releases it when the drain time is up.
   void CheckDrain();
   // The serving thread's stop, once: the held SIGTERM is released.

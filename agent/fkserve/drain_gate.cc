@@ -41,7 +41,6 @@ bool ArmDrainGate() {
   return true;
 }
 
-bool DrainGateArmed() { return armed; }
 bool DrainHeld() { return held != 0; }
 int DrainGateFd() { return armed ? pipe_fds[0] : -1; }
 

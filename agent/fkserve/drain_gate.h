@@ -10,7 +10,6 @@ namespace fusekeeper {
 
 // The serving thread, once. False if it cannot be armed (stop signals then act at once).
 bool ArmDrainGate();
-bool DrainGateArmed();
 // A SIGTERM is held. Any thread.
 bool DrainHeld();
 // Readable once a SIGTERM is held (for poll); -1 when not armed.

@@ -25,7 +25,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
-#include "agent/fkserve/drain_gate.h"
 #include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/fusermount_protocol.h"
 #include "agent/fkserve/relay/relay.h"
@@ -358,7 +357,6 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
   // Without SA_RESTART: the wait is interrupted, and the launcher passes the signal on. (The
   // program resets them before exec.)
   HandleStopSignals(RecordStopSignal, /*restart=*/false);
-  if (o.drain_ms > 0 && !ArmDrainGate()) fprintf(stderr, "fkserve: cannot hold stop signals: no draining\n");
   // Orphans the program leaves (a daemonizing program's real server) become our children.
   if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
     fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
@@ -453,7 +451,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
   if (!relay) fuse_fd.Reset();
   AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
   link.set_relayed(relay != nullptr);
-  if (DrainGateArmed()) link.set_drain_ms(o.drain_ms);
+  link.set_drain_ms(o.drain_ms);  // after HandleStopSignals above: the gate holds the SIGTERM instead
   if (relay) link.set_relay_state(UniqueFd(fcntl(relay->state_fd(), F_DUPFD_CLOEXEC, 3)));
   link.Start();
   {

@@ -33,7 +33,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
-#include "agent/fkserve/drain_gate.h"
 #include "agent/fkserve/launcher.h"
 #include "agent/fkserve/stop_signals.h"
 #include "agent/fkserve/tools.h"
@@ -297,13 +296,7 @@ int main(int argc, char** argv) {
   fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(msg->fd.get(), F_DUPFD_CLOEXEC, 3)),
                              options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
   // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
-  if (config->drain_ms > 0) {
-    if (fusekeeper::ArmDrainGate()) {
-      link.set_drain_ms(config->drain_ms);
-    } else {
-      fprintf(stderr, "fkserve: cannot hold stop signals: no draining\n");
-    }
-  }
+  link.set_drain_ms(config->drain_ms);
   link.Start();
   MarkReady(true);
   absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
