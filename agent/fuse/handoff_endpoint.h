@@ -82,8 +82,21 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // `dir_fd`. Binding goes through /proc/self/fd/<dir_fd>/<name>, so the directory's own path
   // may be of any length (sun_path holds 108 bytes) and no symlink is followed to reach it. The
   // socket file is made mode 0600 and owned by owner_uid:owner_gid (the server's user).
+  // The socket is made under a temporary name first (TempSocketName) and renamed into place;
+  // temporary names of `name` that an earlier, killed agent left are removed first. The caller
+  // must be the only agent using the directory (the agent holds <state_dir>/agent.lock), so no
+  // live process is making one of them.
   static absl::StatusOr<UniqueFd> ListenBlocking(int dir_fd, const std::string& name,
                                                  uid_t owner_uid, gid_t owner_gid);
+  // The temporary name ListenBlocking gives socket `name` in process `pid`: ".<name>.<pid>.tmp".
+  static std::string TempSocketName(const std::string& name, pid_t pid);
+  // Blocking. Removes the socket `name` in `dir_fd` and every temporary name of it (any pid):
+  // what tearing a volume down leaves nothing of. Only sockets are removed.
+  static void RemoveSocketBlocking(int dir_fd, const std::string& name);
+  // Blocking. Removes every temporary socket name (of any socket) in `dir_fd` that a process
+  // other than this one made: at start-up, in a directory only this agent makes sockets in,
+  // they are what a killed agent left. Returns how many were removed.
+  static int RemoveStaleTempSocketsBlocking(int dir_fd);
 
   // Loop thread. `fuse_fd` is the endpoint's own dup of the connection; invalid: there is none
   // (the agent restarted): a serving server may re-deposit it; other servers that connect are

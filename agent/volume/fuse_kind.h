@@ -80,6 +80,7 @@ class FuseKind final : public VolumeKind {
              const PathMounts& mounts, StatsDone done) override;
 
   // Recovery (fuse_kind_recovery.cc).
+  void StartingBlocking() override;
   void Started() override;
   bool Audit(const MountTable& table, const state::Volume& v, const std::string& why) override;
   void ContainerRestarted(const state::Volume& v, const std::string& pod_uid, const std::string& container) override;

@@ -1,4 +1,6 @@
 // FuseKind, part 2: recovery (see fuse_kind.h).
+#include <fcntl.h>
+
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +23,17 @@ bool SameDev(const MountEntry* e, const state::MountIdentity& id) {
 }
 
 }  // namespace
+
+void FuseKind::StartingBlocking() {
+  // Staged volumes' handoff sockets: one an agent killed between its bind and its rename left
+  // under a temporary name. (Those in pods' emptyDirs go when their socket is made again, or
+  // torn down: HandoffEndpoint::ListenBlocking, RemoveSocketBlocking.)
+  UniqueFd dir(open(options_.socket_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir) return;  // none made yet
+  if (const int n = HandoffEndpoint::RemoveStaleTempSocketsBlocking(dir.get()); n > 0) {
+    LOG(INFO) << "removed " << n << " temporary handoff socket name(s) a killed agent left in " << options_.socket_dir;
+  }
+}
 
 void FuseKind::Started() {
   // The FUSE connections of volumes mounted before a restart died with the old agent's fds

@@ -176,7 +176,8 @@ absl::Status TearDownFuseMountBlocking(const VolumeOpsContext& ctx, const std::s
   // its directory, never following a symlink.
   if (!v.fuse().socket_path().empty()) {
     auto dir = OpenSocketDirBlocking(ctx, v, socket_in_kubelet_dir);
-    if (dir.ok()) unlinkat(dir->get(), Name(v.fuse().socket_path()).c_str(), 0);
+    // With any temporary name of it an agent killed while making it left.
+    if (dir.ok()) HandoffEndpoint::RemoveSocketBlocking(dir->get(), Name(v.fuse().socket_path()));
   }
   // Abort next: a dead or hung server then cannot keep the unmount (or anyone) waiting.
   AbortConnectionsAtBlocking(*ctx.kubelet, path, {id.dev_minor(), base.dev_minor()});

@@ -15,6 +15,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "agent/base/crash_point.h"
 #include "agent/base/status.h"
 #include "agent/base/unique_fd.h"
 
@@ -160,6 +161,7 @@ absl::Status StateStore::SaveBlocking(const state::Volume& volume) const {
     return s;
   }
   fd.Reset();
+  CrashPoint("state-unnamed");
   if (rename(tmp.c_str(), final_path.c_str()) != 0) {
     int err = errno;
     unlink(tmp.c_str());

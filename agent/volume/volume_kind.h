@@ -145,6 +145,10 @@ class VolumeKind {
                      const PathMounts& mounts, StatsDone done);
 
   // --- Recovery; the defaults do nothing. ---
+  // BlockingPool, once, while start-up reconciles the saved state (before Started and before any
+  // RPC): removes what a killed agent left outside the recorded state (temporary files). The
+  // agent holds its state dir's lock, so no live agent made them.
+  virtual void StartingBlocking() {}
   // After start-up reconciled the saved state.
   virtual void Started() {}
   // A look at the mount table: repairs what is broken in `v`. False: the volume is busy (an RPC

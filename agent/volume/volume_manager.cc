@@ -115,6 +115,7 @@ void VolumeManager::Start(Done done) {
                 for (const auto& id : save->remove) {
                   if (auto s = store_.RemoveBlocking(id); !s.ok()) LOG(ERROR) << s;
                 }
+                for (auto& [name, kind] : kinds_) kind->StartingBlocking();
               },
               [this, save, done = std::move(done)](absl::Status s) mutable {
                 for (auto& v : save->volumes) volumes_[v.volume_id()] = std::move(v);

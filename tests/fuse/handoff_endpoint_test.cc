@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 
@@ -343,6 +344,46 @@ TEST_F(HandoffEndpointTest, RefusesToReplaceANonSocket) {
   auto listen = HandoffEndpoint::ListenBlocking(dir_fd_.get(), "sock", getuid(), getgid());
   EXPECT_EQ(listen.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(fs::is_directory(dir_.path() + "/sock"));
+}
+
+// A socket file bound at `name` in the test's directory (what a killed agent leaves).
+void BindSocketFile(const std::string& path) {
+  UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof(a.sun_path));
+  strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  ASSERT_EQ(bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << path << ": " << strerror(errno);
+}
+
+// An agent killed between its bind and its rename leaves ".<name>.<its pid>.tmp": making the
+// socket again, tearing it down and the start-up sweep each remove such names (sockets only).
+TEST_F(HandoffEndpointTest, TemporaryNamesAKilledAgentLeftAreRemoved) {
+  const std::string d = dir_.path();
+  const pid_t dead = getpid() + 1;
+  BindSocketFile(d + "/" + HandoffEndpoint::TempSocketName("sock", dead));
+  BindSocketFile(d + "/" + HandoffEndpoint::TempSocketName("other", dead));
+  { std::ofstream(d + "/" + HandoffEndpoint::TempSocketName("sock", dead + 1)) << "not a socket"; }
+  auto listen = HandoffEndpoint::ListenBlocking(dir_fd_.get(), "sock", getuid(), getgid());
+  ASSERT_TRUE(listen.ok()) << listen.status();
+  EXPECT_TRUE(fs::is_socket(d + "/sock"));
+  EXPECT_FALSE(fs::exists(d + "/" + HandoffEndpoint::TempSocketName("sock", dead))) << "made again: its own gone";
+  EXPECT_TRUE(fs::exists(d + "/" + HandoffEndpoint::TempSocketName("other", dead))) << "another socket's is not";
+  EXPECT_TRUE(fs::is_regular_file(d + "/" + HandoffEndpoint::TempSocketName("sock", dead + 1)))
+      << "a file that is not a socket is not ours";
+
+  // Start-up: every other process's, of any socket; this process's own are left alone.
+  BindSocketFile(d + "/" + HandoffEndpoint::TempSocketName("mine", getpid()));
+  EXPECT_EQ(HandoffEndpoint::RemoveStaleTempSocketsBlocking(dir_fd_.get()), 1);
+  EXPECT_FALSE(fs::exists(d + "/" + HandoffEndpoint::TempSocketName("other", dead)));
+  EXPECT_TRUE(fs::exists(d + "/" + HandoffEndpoint::TempSocketName("mine", getpid())));
+
+  // Torn down: the socket and every temporary name of it, whoever made it.
+  BindSocketFile(d + "/" + HandoffEndpoint::TempSocketName("sock", dead));
+  HandoffEndpoint::RemoveSocketBlocking(dir_fd_.get(), "sock");
+  EXPECT_FALSE(fs::exists(d + "/sock"));
+  EXPECT_FALSE(fs::exists(d + "/" + HandoffEndpoint::TempSocketName("sock", dead)));
+  EXPECT_TRUE(fs::exists(d + "/" + HandoffEndpoint::TempSocketName("mine", getpid())));
 }
 
 TEST_F(HandoffEndpointTest, StopWithAConnectionInFlightReleasesEverything) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "absl/strings/str_join.h"
 #include "tests/volume/fuse_fixture.h"
 
 namespace fusekeeper {
@@ -447,6 +448,18 @@ class FuseCrashPointTest : public FuseE2ETest, public ::testing::WithParamInterf
   }
 };
 
+// Every temporary name a killed agent may leave in `dir` (a handoff socket's before its rename,
+// a state file's before its rename).
+std::vector<std::string> TempNamesIn(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename();
+    if (absl::StrContains(name, ".tmp")) out.push_back(name);
+  }
+  return out;
+}
+
 class FuseStagedCrashPointTest : public FuseCrashPointTest {};
 class FuseInlineCrashPointTest : public FuseCrashPointTest {};
 
@@ -456,7 +469,8 @@ TEST_P(FuseStagedCrashPointTest, StagedVolumeKillMinusNineThenRestartRecovers) {
   StartAgent();
   const std::string staging = StagingPath("crash-s");
   const std::string target = Pod("pod-c", "crash-s");
-  Step({"fuse-stage-mounted"}, [&] { return StageFuse("crash-s", staging); });
+  Step({"state-unnamed", "fuse-stage-mounted", "handoff-socket-unnamed"},
+       [&] { return StageFuse("crash-s", staging); });
   EXPECT_EQ(MountCountAt(staging), 1);
   Step({"publish-intent-saved", "publish-mounted"},
        [&] { return PublishStaged("crash-s", staging, target, "c", "pod-c"); });
@@ -468,12 +482,17 @@ TEST_P(FuseStagedCrashPointTest, StagedVolumeKillMinusNineThenRestartRecovers) {
   ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << view->setup_error() << server->Stderr()
                                                                << agent_->Stderr();
   view->Stop();
+  // Served: the restarted agent has reconciled and made the socket again, and what the killed
+  // one left under a temporary name is gone.
+  EXPECT_TRUE(TempNamesIn(state_ + "/sockets").empty()) << absl::StrJoin(TempNamesIn(state_ + "/sockets"), ", ");
+  EXPECT_TRUE(TempNamesIn(state_ + "/volumes").empty()) << absl::StrJoin(TempNamesIn(state_ + "/volumes"), ", ");
   Step({"unpublish-unmounted"}, [&] { return Unpublish("crash-s", target); });
   EXPECT_EQ(MountCountAt(target), 0);
   EXPECT_FALSE(fs::exists(target));
   ASSERT_RPC_OK(Unstage("crash-s", staging));
   EXPECT_EQ(MountCountAt(staging), 0);
   EXPECT_FALSE(fs::exists(StagedSocket("crash-s")));
+  EXPECT_TRUE(TempNamesIn(state_ + "/sockets").empty()) << absl::StrJoin(TempNamesIn(state_ + "/sockets"), ", ");
   EXPECT_TRUE(fs::is_empty(state_ + "/volumes")) << "no state left behind";
 }
 
@@ -482,24 +501,30 @@ TEST_P(FuseInlineCrashPointTest, InlineVolumeKillMinusNineThenRestartRecovers) {
   agent_env_ = {"FUSEKEEPER_CRASH_AT=" + point};
   StartAgent();
   const std::string target = Pod("pod-i", "crash-i");
-  Step({"fuse-publish-mounted"}, [&] { return PublishInline("crash-i", "pod-i", target); });
+  Step({"state-unnamed", "fuse-publish-mounted", "handoff-socket-unnamed"},
+       [&] { return PublishInline("crash-i", "pod-i", target); });
   EXPECT_EQ(MountCountAt(target), 1);
   StartServer(PodSocket("pod-i"));
   auto view = PodReader(target, "hello.txt");
   ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << view->setup_error() << agent_->Stderr();
   view->Stop();
+  const std::string socket_dir = PodSocket("pod-i").substr(0, PodSocket("pod-i").rfind('/'));
+  EXPECT_TRUE(TempNamesIn(socket_dir).empty()) << absl::StrJoin(TempNamesIn(socket_dir), ", ");
+  EXPECT_TRUE(TempNamesIn(state_ + "/volumes").empty()) << absl::StrJoin(TempNamesIn(state_ + "/volumes"), ", ");
   Step({"unpublish-unmounted"}, [&] { return Unpublish("crash-i", target); });
   EXPECT_EQ(MountCountAt(target), 0);
   EXPECT_FALSE(fs::exists(target));
   EXPECT_FALSE(fs::exists(PodSocket("pod-i")));
+  EXPECT_TRUE(TempNamesIn(socket_dir).empty()) << absl::StrJoin(TempNamesIn(socket_dir), ", ");
   EXPECT_TRUE(fs::is_empty(state_ + "/volumes")) << "no state left behind";
 }
 
 INSTANTIATE_TEST_SUITE_P(Points, FuseStagedCrashPointTest,
-                         ::testing::Values("fuse-stage-mounted", "publish-intent-saved", "publish-mounted",
-                                           "unpublish-unmounted"));
+                         ::testing::Values("state-unnamed", "fuse-stage-mounted", "handoff-socket-unnamed",
+                                           "publish-intent-saved", "publish-mounted", "unpublish-unmounted"));
 INSTANTIATE_TEST_SUITE_P(Points, FuseInlineCrashPointTest,
-                         ::testing::Values("fuse-publish-mounted", "unpublish-unmounted"));
+                         ::testing::Values("state-unnamed", "fuse-publish-mounted", "handoff-socket-unnamed",
+                                           "unpublish-unmounted"));
 
 }  // namespace
 }  // namespace fusekeeper
