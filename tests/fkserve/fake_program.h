@@ -8,10 +8,12 @@
 // and collects what the relay answers, checking that each request gets exactly one reply.
 #pragma once
 
+#include <fcntl.h>
 #include <linux/fuse.h>
 
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -71,6 +73,10 @@ class FakeInstance {
   uint32_t max_write = 1 << 20;
   // Like s3fs: written data stays in the instance until FSYNC or FLUSH puts it on the disk.
   bool keeps_writes_until_sync = false;
+  // Like sshfs: a change (WRITE, a SETATTR of the size) stays in the instance until an FSYNC or
+  // FLUSH of the handle it came through (a change by path: of any handle) — and what reaches the
+  // disk is only the synced changes, applied in their order: a worst case for the relay.
+  bool keeps_changes_per_handle = false;
 
   // Handles one request; the reply ("" if none is due).
   std::string Handle(const std::string& m) {
@@ -118,8 +124,23 @@ class FakeInstance {
         if (it == node->children.end()) return Reply(h.unique, -ENOENT, "");
         return Reply(h.unique, 0, Entry(it->second));
       }
-      case FUSE_GETATTR:
-        return Reply(h.unique, 0, Bytes(fuse_attr_out{}));
+      case FUSE_GETATTR: {
+        fuse_attr_out out{};
+        out.attr.ino = ino;
+        out.attr.size = Visible(ino).size();
+        return Reply(h.unique, 0, Bytes(out));
+      }
+      case FUSE_SETATTR: {
+        const auto in = relay::Load<fuse_setattr_in>(body);
+        if ((in.valid & FATTR_FH) && !CheckFh(in.fh, ino, "SETATTR")) return Reply(h.unique, -EBADF, "");
+        if (in.valid & FATTR_SIZE) {
+          Change(ino, (in.valid & FATTR_FH) ? in.fh : 0, in.size, std::nullopt);
+        }
+        fuse_attr_out out{};
+        out.attr.ino = ino;
+        out.attr.size = Visible(ino).size();
+        return Reply(h.unique, 0, Bytes(out));
+      }
       case FUSE_MKDIR:
       case FUSE_CREATE: {
         const size_t fixed = h.opcode == FUSE_MKDIR ? sizeof(fuse_mkdir_in) : sizeof(fuse_create_in);
@@ -152,8 +173,11 @@ class FakeInstance {
         return Reply(h.unique, 0, "");
       }
       case FUSE_OPEN:
-      case FUSE_OPENDIR:
-        return Reply(h.unique, 0, Bytes(Open(ino)));
+      case FUSE_OPENDIR: {
+        const fuse_open_out o = Open(ino);
+        if (relay::Load<fuse_open_in>(body).flags & O_TRUNC) Change(ino, o.fh, 0, std::nullopt);
+        return Reply(h.unique, 0, Bytes(o));
+      }
       case FUSE_READDIR:
       case FUSE_READDIRPLUS: {
         // Like libfuse's high-level API: a handle lists its directory once, from offset 0; a
@@ -185,13 +209,19 @@ class FakeInstance {
       case FUSE_READ: {
         const auto in = relay::Load<fuse_read_in>(body);
         if (!CheckFh(in.fh, ino, "READ")) return Reply(h.unique, -EBADF, "");
-        const std::string& d = node->data;
+        const std::string d = Visible(ino);
         return Reply(h.unique, 0, in.offset >= d.size() ? "" : d.substr(in.offset, in.size));
       }
       case FUSE_WRITE: {
         const auto in = relay::Load<fuse_write_in>(body);
         if (!CheckFh(in.fh, ino, "WRITE")) return Reply(h.unique, -EBADF, "");
         const std::string data(body + sizeof(in), body_len - sizeof(in));
+        if (keeps_changes_per_handle) {
+          Change(ino, in.fh, in.offset, data);
+          fuse_write_out out{};
+          out.size = static_cast<uint32_t>(data.size());
+          return Reply(h.unique, 0, Bytes(out));
+        }
         std::string& target = keeps_writes_until_sync ? Cached(ino) : node->data;
         if (target.size() < in.offset + data.size()) target.resize(in.offset + data.size());
         target.replace(in.offset, data.size(), data);
@@ -214,6 +244,7 @@ class FakeInstance {
           node->data = it->second;
           cache_.erase(it);
         }
+        Sync(ino, fh);
         return Reply(h.unique, 0, "");
       }
       default:
@@ -230,6 +261,57 @@ class FakeInstance {
 
  private:
   void Violation(const std::string& v) { violations.push_back(v); }
+  struct PendingChange {
+    uint64_t fh;  // 0: by path
+    uint64_t offset;  // a WRITE's offset, or the new size
+    std::optional<std::string> data;  // a WRITE's data; none: a size change
+    bool synced = false;
+  };
+  struct Pending {
+    std::string base;  // the disk's bytes before the first change not synced
+    std::vector<PendingChange> changes;
+  };
+  static void Apply(std::string* d, const PendingChange& c) {
+    if (!c.data) {
+      d->resize(c.offset);
+      return;
+    }
+    if (d->size() < c.offset + c.data->size()) d->resize(c.offset + c.data->size());
+    d->replace(c.offset, c.data->size(), *c.data);
+  }
+  // What the instance shows: the disk, or in keeps_changes_per_handle mode its base and every change.
+  std::string Visible(uint64_t ino) {
+    if (auto it = cache_.find(ino); it != cache_.end()) return it->second;
+    auto p = pending_.find(ino);
+    if (p == pending_.end()) return disk_->inodes[ino].data;
+    std::string d = p->second.base;
+    for (const PendingChange& c : p->second.changes) Apply(&d, c);
+    return d;
+  }
+  void Change(uint64_t ino, uint64_t fh, uint64_t offset, std::optional<std::string> data) {
+    if (!keeps_changes_per_handle) {
+      PendingChange c{fh, offset, std::move(data)};
+      Apply(keeps_writes_until_sync ? &Cached(ino) : &disk_->inodes[ino].data, c);
+      return;
+    }
+    auto [p, made] = pending_.try_emplace(ino);
+    if (made) p->second.base = disk_->inodes[ino].data;
+    p->second.changes.push_back(PendingChange{fh, offset, std::move(data)});
+  }
+  // The changes through fh (and by path) reach the disk — only they, in their order.
+  void Sync(uint64_t ino, uint64_t fh) {
+    auto p = pending_.find(ino);
+    if (p == pending_.end()) return;
+    std::string d = p->second.base;
+    bool all = true;
+    for (PendingChange& c : p->second.changes) {
+      if (c.fh == fh || c.fh == 0) c.synced = true;
+      if (c.synced) Apply(&d, c);
+      all = all && c.synced;
+    }
+    disk_->inodes[ino].data = d;
+    if (all) pending_.erase(p);
+  }
   std::string& Cached(uint64_t ino) {
     auto it = cache_.find(ino);
     if (it == cache_.end()) it = cache_.emplace(ino, disk_->inodes[ino].data).first;
@@ -253,7 +335,7 @@ class FakeInstance {
     e.nodeid = base_ + ino;
     e.attr.ino = ino;
     e.attr.mode = disk_->inodes[ino].dir ? 040755 : 0100644;
-    e.attr.size = disk_->inodes[ino].data.size();
+    e.attr.size = Visible(ino).size();
     ++counts_[e.nodeid];
     return Bytes(e);
   }
@@ -288,6 +370,7 @@ class FakeInstance {
   std::map<uint64_t, uint64_t> counts_;  // pid → lookups
   std::map<uint64_t, uint64_t> open_;    // fh → ino
   std::map<uint64_t, std::string> cache_;  // ino → data not synced yet
+  std::map<uint64_t, Pending> pending_;    // ino → changes not all synced (keeps_changes_per_handle)
   std::set<uint64_t> listed_;              // directory handles read from offset 0
   uint64_t next_fh_ = 1;
 };

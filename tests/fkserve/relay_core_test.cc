@@ -32,7 +32,7 @@ class RelayCoreTest : public ::testing::Test {
   // A fresh relay (a new launcher on a new connection) writing a fresh journal.
   void NewCore() {
     core_.~RelayCore();
-    new (&core_) RelayCore(&wires_, kMaxMessage);
+    new (&core_) RelayCore(&wires_, kMaxMessage, durability_);
     auto j = StateJournal::Create();
     EXPECT_TRUE(j.ok()) << j.status();
     journal_ = std::move(*j);
@@ -48,7 +48,7 @@ class RelayCoreTest : public ::testing::Test {
     ASSERT_TRUE(j.ok()) << j.status();
     journal_ = std::move(*j);
     core_.~RelayCore();
-    new (&core_) RelayCore(&wires_, kMaxMessage);
+    new (&core_) RelayCore(&wires_, kMaxMessage, durability_);
     core_.SetJournal(journal_.get());
     core_.Restore(state);
     ++launcher_deaths_;
@@ -153,6 +153,7 @@ class RelayCoreTest : public ::testing::Test {
     EXPECT_EQ(core_.nodes().CheckInvariantsForTest(), "");
   }
 
+  Durability durability_ = Durability::kAtSync;
   Disk disk_;
   Wires wires_;
   RelayCore core_{&wires_, kMaxMessage};
@@ -735,6 +736,178 @@ TEST_F(RelayCoreTest, PropertyRandomTrafficAndKills) {
     EXPECT_EQ(core_.stats().restore_failures, 0u);
   }
   EXPECT_GT(launcher_deaths_, 10) << "the launcher died often enough to matter";
+}
+
+// The relay's replay against a reference model of each file: random WRITEs, truncates (through a
+// handle, by path, by an open with O_TRUNC), FSYNCs, FLUSHes, closes and reads through several
+// handles of a few files, with the program killed (some work done but unanswered, some requests
+// in flight) and the launcher killed at random points, for programs that store a change before
+// they answer it, at a sync of the file (s3fs), or at a sync of the handle it came through
+// (sshfs, the worst case: what reaches the disk is any subset of the changes). Every read must
+// return the model's bytes, no fsync or close may fail (nothing is beyond the relay's bounds), and
+// afterwards each file, read again and once everything is synced and the program restarted, holds
+// the model's bytes. Before the ChangeLog, a handle's WRITEs written again after a later truncate
+// or a later WRITE through another handle gave files bytes they never had.
+TEST_F(RelayCoreTest, PropertyReplayedChangesMatchAFileModel) {
+  struct Program {
+    const char* what;
+    Durability relay;
+    bool per_node, per_handle;
+  };
+  for (const Program& program : {Program{"stores at reply, relay told so", Durability::kAtReply, false, false},
+                                 Program{"stores at reply, relay assumes sync", Durability::kAtSync, false, false},
+                                 Program{"stores at a sync of the file", Durability::kAtSync, true, false},
+                                 Program{"stores at a sync of the handle", Durability::kAtSync, false, true}}) {
+    for (uint32_t seed = 1; seed <= 30; ++seed) {
+      SCOPED_TRACE(absl::StrCat(program.what, ", seed ", seed));
+      std::mt19937 rng(seed);
+      durability_ = program.relay;
+      disk_ = Disk();
+      constexpr int kFiles = 3;
+      std::vector<uint64_t> inos;
+      for (int i = 0; i < kFiles; ++i) inos.push_back(disk_.Make(1, absl::StrCat("f", i), false, ""));
+      wires_ = Wires();
+      sent_.clear();
+      NewCore();
+      instances_ = 0;
+      auto start = [&] {
+        Start();
+        prog_->keeps_writes_until_sync = program.per_node;
+        prog_->keeps_changes_per_handle = program.per_handle;
+      };
+      start();
+      Init();
+      std::vector<uint64_t> kids;
+      for (int i = 0; i < kFiles; ++i) kids.push_back(Lookup(FUSE_ROOT_ID, absl::StrCat("f", i)));
+      std::vector<std::string> model(kFiles);
+      struct Held {
+        int file;
+        uint64_t fh;
+      };
+      std::vector<Held> held;
+      auto check = [&](const std::string& reply, const std::string& what) {
+        EXPECT_FALSE(reply.empty()) << what << ": no answer";
+        EXPECT_EQ(reply.empty() ? 0 : ErrorOf(reply), 0) << what;
+        return !reply.empty() && ErrorOf(reply) == 0;
+      };
+      auto open_file = [&](int f, bool trunc) {
+        fuse_open_in in{};
+        in.flags = O_RDWR | (trunc ? O_TRUNC : 0);
+        const std::string r = Call(FUSE_OPEN, kids[f], Bytes(in));
+        if (!check(r, "OPEN")) return;
+        if (trunc) model[f].clear();
+        held.push_back({f, Load<fuse_open_out>(r.data() + sizeof(fuse_out_header)).fh});
+      };
+      for (int f = 0; f < kFiles; ++f) open_file(f, false);
+      int wrong_reads = 0;
+      for (int step = 0; step < 250; ++step) {
+        const Held h = held[rng() % held.size()];
+        const int f = h.file;
+        switch (rng() % 11) {
+          case 0:
+          case 1:
+          case 2: {  // pwrite (holes included)
+            fuse_write_in in{};
+            in.fh = h.fh;
+            in.offset = rng() % (model[f].size() + 64);
+            const std::string data(1 + rng() % 48, static_cast<char>('a' + rng() % 26));
+            in.size = static_cast<uint32_t>(data.size());
+            // Sometimes the program does it and dies before its answer gets out: the kernel's
+            // request waits and goes to the next instance.
+            const bool die = rng() % 8 == 0;
+            const uint64_t u = Send(FUSE_WRITE, kids[f], Bytes(in) + data);
+            if (die) {
+              DoWorkThenKill();
+              start();
+            }
+            Pump();
+            if (check(ReplyTo(u), "WRITE")) {
+              if (model[f].size() < in.offset + data.size()) model[f].resize(in.offset + data.size());
+              model[f].replace(in.offset, data.size(), data);
+            }
+            break;
+          }
+          case 3: {  // ftruncate (through the handle) or truncate (by path), shorter or longer
+            fuse_setattr_in in{};
+            in.valid = FATTR_SIZE;
+            if (rng() % 2) {
+              in.valid |= FATTR_FH;
+              in.fh = h.fh;
+            }
+            in.size = rng() % (model[f].size() + 32);
+            if (check(Call(FUSE_SETATTR, kids[f], Bytes(in)), "SETATTR")) model[f].resize(in.size);
+            break;
+          }
+          case 4: {  // fsync
+            fuse_fsync_in in{};
+            in.fh = h.fh;
+            check(Call(FUSE_FSYNC, kids[f], Bytes(in)), "FSYNC");
+            break;
+          }
+          case 5: {  // close (FLUSH, RELEASE) and open again, sometimes with O_TRUNC
+            fuse_flush_in fl{};
+            fl.fh = h.fh;
+            check(Call(FUSE_FLUSH, kids[f], Bytes(fl)), "FLUSH");
+            fuse_release_in rel{};
+            rel.fh = h.fh;
+            check(Call(FUSE_RELEASE, kids[f], Bytes(rel)), "RELEASE");
+            for (size_t i = 0; i < held.size(); ++i) {
+              if (held[i].fh == h.fh) {
+                held.erase(held.begin() + static_cast<long>(i));
+                break;
+              }
+            }
+            open_file(f, rng() % 3 == 0);
+            break;
+          }
+          case 6:  // another handle on the same file
+            if (held.size() < 6) open_file(f, false);
+            break;
+          case 7:
+          case 8: {  // pread, checked against the model
+            const std::string r = Call(FUSE_READ, kids[f], ReadBody(kids[f], h.fh, 0, 4096));
+            if (check(r, "READ") && r.substr(sizeof(fuse_out_header)) != model[f]) {
+              ++wrong_reads;
+              ADD_FAILURE() << "step " << step << ": f" << f << " read " << r.size() - sizeof(fuse_out_header)
+                            << " bytes, the model has " << model[f].size();
+            }
+            break;
+          }
+          case 9:  // kill -9 of the program
+            Kill();
+            start();
+            Pump();
+            break;
+          case 10:  // of the launcher, and so of its program
+            if (rng() % 3 != 0) break;
+            KillLauncher();
+            start();
+            Pump();
+            break;
+        }
+        if (wrong_reads > 3) break;
+      }
+      // Read fresh: a last death, and every file read through a new handle.
+      Kill();
+      start();
+      Pump();
+      for (int f = 0; f < kFiles; ++f) {
+        const uint64_t fh = Open(kids[f], O_RDONLY);
+        const std::string r = Call(FUSE_READ, kids[f], ReadBody(kids[f], fh, 0, 4096));
+        if (check(r, "READ after")) {
+          EXPECT_EQ(r.substr(sizeof(fuse_out_header)), model[f]) << "f" << f;
+        }
+      }
+      // Everything synced and the program stopped cleanly: the disk holds the model.
+      for (const Held& h : held) {
+        fuse_fsync_in in{};
+        in.fh = h.fh;
+        check(Call(FUSE_FSYNC, kids[h.file], Bytes(in)), "FSYNC at the end");
+      }
+      for (int f = 0; f < kFiles; ++f) EXPECT_EQ(disk_.inodes[inos[f]].data, model[f]) << "f" << f << " on the disk";
+      EXPECT_EQ(core_.stats().files_lost, 0u);
+    }
+  }
 }
 
 }  // namespace

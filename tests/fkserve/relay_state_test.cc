@@ -38,9 +38,9 @@ TEST(StateJournalTest, LastRecordWins) {
   j->Node(5, {1, "a", 1});
   j->Node(6, {5, "b", 2});
   j->Node(5, {1, "a", 3});
-  j->Handle(1, {6, 2, false, false, 0, {}});
-  j->Write(1, WriteRequest("one"));
-  j->Handle(2, {5, 0, true, false, 0, {}});
+  j->Handle(1, {6, 2, false, false, true});
+  j->Change(6, 1, WriteRequest("one"));
+  j->Handle(2, {5, 0, true, false, false});
   j->HandleGone(2);
   ASSERT_TRUE(j->Flush());
   const SavedState s = Reopen(*j);
@@ -50,14 +50,17 @@ TEST(StateJournalTest, LastRecordWins) {
   EXPECT_EQ(s.nodes.at(5).kernel_lookups, 3u);
   EXPECT_EQ(s.nodes.at(6).name, "b");
   ASSERT_EQ(s.handles.size(), 1u);
-  ASSERT_EQ(s.handles.at(1).unsynced.size(), 1u);
-  EXPECT_EQ(s.handles.at(1).unsynced[0], WriteRequest("one"));
-  // A handle's state again (synced): its kept writes go.
-  j->Handle(1, {6, 2, false, false, 0, {}});
+  EXPECT_TRUE(s.handles.at(1).written);
+  ASSERT_NE(s.changes.Find(6), nullptr);
+  ASSERT_EQ(s.changes.Find(6)->changes.size(), 1u);
+  EXPECT_EQ(s.changes.Find(6)->changes[0].msg, WriteRequest("one"));
+  EXPECT_EQ(s.changes.Find(6)->changes[0].kfh, 1u);
+  // Synced through its handle: the kept change goes.
+  j->Synced(6, 1);
   j->NodeGone(6);
   ASSERT_TRUE(j->Flush());
   const SavedState t = Reopen(*j);
-  EXPECT_TRUE(t.handles.at(1).unsynced.empty());
+  EXPECT_EQ(t.changes.Find(6), nullptr);
   EXPECT_EQ(t.nodes.count(6), 0u);
 }
 
@@ -90,24 +93,25 @@ TEST(StateJournalTest, ATornRecordIsCutOffAndWrittenOver) {
 TEST(StateJournalTest, ALargeKeptWriteIsReadBackWholeOrNotAtAll) {
   auto j = *StateJournal::Create();
   j->Node(5, {1, "f", 1});
-  j->Handle(1, {5, 1, false, false, 0, {}});
+  j->Handle(1, {5, 1, false, false, true});
   const std::string big = WriteRequest(std::string(1 << 20, 'd'));
-  j->Write(1, big);
+  j->Change(5, 1, big);
   j->Node(6, {1, "after", 1});
   ASSERT_TRUE(j->Flush());
   const SavedState s = Reopen(*j);
-  ASSERT_EQ(s.handles.at(1).unsynced.size(), 1u);
-  EXPECT_EQ(s.handles.at(1).unsynced[0], big);
+  ASSERT_NE(s.changes.Find(5), nullptr);
+  ASSERT_EQ(s.changes.Find(5)->changes.size(), 1u);
+  EXPECT_EQ(s.changes.Find(5)->changes[0].msg, big);
   EXPECT_EQ(s.nodes.count(6), 1u) << "what follows it";
   const std::string file = FileOf(j->fd());
-  const size_t before_big = file.find(std::string(80, 'h')) - 8 - 1 - 8;  // its header and kfh
+  const size_t before_big = file.find(std::string(80, 'h')) - 8 - 1 - 8 - 8 - 1;  // its header, kid, kfh, durable
   for (size_t cut : {before_big + 20, before_big + 4096, before_big + (1u << 19), file.size() - 60}) {
     auto fresh = *StateJournal::Create();
     ASSERT_EQ(pwrite(fresh->fd(), file.data(), cut, 0), static_cast<ssize_t>(cut));
     const SavedState t = Reopen(*fresh);
     EXPECT_EQ(t.nodes.count(5), 1u) << "cut at " << cut;
     ASSERT_EQ(t.handles.count(1), 1u);
-    EXPECT_TRUE(t.handles.at(1).unsynced.empty()) << "cut at " << cut;
+    EXPECT_EQ(t.changes.Find(5), nullptr) << "cut at " << cut;
     EXPECT_EQ(t.nodes.count(6), 0u);
   }
 }
@@ -138,6 +142,61 @@ TEST(StateJournalTest, ACompactionCutShortLeavesTheOldLog) {
   EXPECT_LT(st.st_blocks * 512, 64 * 1024) << "the old log's pages are given back";
 }
 
+// The ChangeLog's operations, read back, make the same log: order, durable changes kept behind
+// one that is not, a node made incomplete, and a drop.
+TEST(StateJournalTest, KeptChangesReadBackInTheirOrder) {
+  auto j = *StateJournal::Create();
+  ChangeLog log;
+  auto change = [&](uint64_t kid, uint64_t kfh, const std::string& data) {
+    j->Change(kid, kfh, WriteRequest(data));
+    log.Add(kid, kfh, WriteRequest(data));
+  };
+  auto synced = [&](uint64_t kid, uint64_t kfh) {
+    j->Synced(kid, kfh);
+    log.Synced(kid, kfh);
+  };
+  change(5, 1, "a");
+  change(5, 2, "b");
+  change(5, 0, "truncate");
+  change(5, 1, "c");
+  synced(5, 2);  // b and the truncate are durable, but kept behind a
+  change(6, 3, "x");
+  j->Unrepeatable(7, 4);
+  log.AddUnrepeatable(7, 4);
+  change(8, 5, "gone");
+  j->DropChanges(8);
+  log.Drop(8);
+  ASSERT_TRUE(j->Flush());
+  const SavedState s = Reopen(*j);
+  auto same = [](const ChangeLog& a, const ChangeLog& b) {
+    if (a.nodes().size() != b.nodes().size() || a.bytes() != b.bytes()) return false;
+    for (const auto& [kid, n] : a.nodes()) {
+      const NodeChanges* m = b.Find(kid);
+      if (m == nullptr || m->incomplete != n.incomplete || m->unsynced_handles != n.unsynced_handles ||
+          m->changes.size() != n.changes.size()) {
+        return false;
+      }
+      for (size_t i = 0; i < n.changes.size(); ++i) {
+        if (m->changes[i].kfh != n.changes[i].kfh || m->changes[i].durable != n.changes[i].durable ||
+            m->changes[i].msg != n.changes[i].msg) {
+          return false;
+        }
+      }
+    }
+    return true;
+  };
+  EXPECT_TRUE(same(s.changes, log));
+  ASSERT_NE(s.changes.Find(5), nullptr);
+  ASSERT_EQ(s.changes.Find(5)->changes.size(), 4u);
+  EXPECT_FALSE(s.changes.Find(5)->changes[0].durable);
+  EXPECT_TRUE(s.changes.Find(5)->changes[1].durable);
+  EXPECT_TRUE(s.changes.Find(7)->incomplete);
+  EXPECT_EQ(s.changes.Find(8), nullptr);
+  synced(5, 1);
+  ASSERT_TRUE(j->Flush());
+  EXPECT_EQ(Reopen(*j).changes.Find(5), nullptr) << "all durable: nothing kept";
+}
+
 TEST(StateJournalTest, WhatIsNotAJournalIsRefusedWithAReason) {
   uint64_t end;
   EXPECT_FALSE(StateJournal::Parse("", &end).ok());
@@ -149,16 +208,19 @@ TEST(StateJournalTest, WhatIsNotAJournalIsRefusedWithAReason) {
   auto bad = StateJournal::Parse(FileOf(j->fd()), &end);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("bad node record"), std::string::npos) << bad.status();
-  // A kept write for a handle that is not open.
+  // A kept change too short to be a request.
   auto k = *StateJournal::Create();
-  k->Write(9, WriteRequest("x"));
+  k->Change(9, 1, "x");
   ASSERT_TRUE(k->Flush());
   EXPECT_FALSE(StateJournal::Parse(FileOf(k->fd()), &end).ok());
   // Random damage anywhere never crashes the parser.
   auto good = *StateJournal::Create();
   for (uint64_t i = 2; i < 50; ++i) good->Node(i, {i - 1, "n", 1});
-  good->Handle(3, {4, 0, false, false, 5, {}});
-  good->Write(3, WriteRequest("abcde"));
+  good->Handle(3, {4, 0, false, false, true});
+  good->Change(4, 3, WriteRequest("abcde"));
+  good->Synced(4, 3);
+  good->Unrepeatable(5, 3);
+  good->DropChanges(5);
   ASSERT_TRUE(good->Flush());
   const std::string file = FileOf(good->fd());
   std::mt19937 rng(7);

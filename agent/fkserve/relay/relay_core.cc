@@ -21,10 +21,6 @@ constexpr uint32_t kPage = 4096;
 constexpr size_t kPatchPrefix = 128;
 
 constexpr int kMaxDeathsPerRequest = 3;
-// Per handle: what a program may hold unsynced that the relay can give to its successor.
-constexpr size_t kMaxUnsyncedBytes = 32 << 20;
-// And in all: the launcher's memory stays bounded however many files are written at once.
-constexpr size_t kMaxUnsyncedTotalBytes = 128 << 20;
 
 bool IsDot(absl::string_view name) { return name == "." || name == ".."; }
 
@@ -44,7 +40,8 @@ bool UsesHeaderNode(uint32_t opcode) {
 
 }  // namespace
 
-RelayCore::RelayCore(RelayOutput* out, size_t max_message_bytes) : out_(out), max_message_(max_message_bytes) {}
+RelayCore::RelayCore(RelayOutput* out, size_t max_message_bytes, Durability durability)
+    : out_(out), max_message_(max_message_bytes), durability_(durability) {}
 
 // ---- Requests from the kernel ----
 
@@ -227,7 +224,8 @@ void RelayCore::Dispatch(uint64_t unique) {
       }
       continue;
     }
-    const bool unsynced = !h->second.unsynced.empty() || h->second.maybe_lost;
+    // (A file's kept changes were written again and flushed before any request was sent.)
+    const bool unsynced = h->second.maybe_lost;
     if (r.opcode == FUSE_RELEASE || r.opcode == FUSE_RELEASEDIR || (r.opcode == FUSE_FLUSH && !unsynced)) {
       // Nothing to close or flush in an instance that never opened it.
       if (r.opcode != FUSE_FLUSH) EraseHandle(kfh);
@@ -291,7 +289,6 @@ void RelayCore::EraseHandle(uint64_t kfh) {
   auto h = handles_.find(kfh);
   if (h == handles_.end()) return;
   nodes_.DropHandle(h->second.kid);
-  DropUnsynced(h->second);
   std::vector<uint64_t> waiters = std::move(h->second.waiters);
   handles_.erase(h);
   if (journal_ != nullptr) journal_->HandleGone(kfh);
@@ -430,6 +427,13 @@ void RelayCore::Resolved(uint64_t kid, bool ok) {
       case Waiter::kHandle:
         StartReopen(w.id);
         break;
+      case Waiter::kReplay:
+        if (ok) {
+          ReplayOpen(w.id);
+        } else {
+          ReplayEnd(w.id, false, "it no longer resolves in the restarted program");
+        }
+        break;
     }
   }
 }
@@ -470,18 +474,6 @@ void RelayCore::Reopened(uint64_t kfh, int error) {
   if (error != 0) {
     h.lost = true;
     h.lost_error = error;
-  } else if (!h.unsynced.empty() && h.replayed_in != instance_ && h.instance == instance_) {
-    h.replayed_in = instance_;
-    // Written again, in order, before anything else uses the handle.
-    const uint64_t pid = nodes_.Find(h.kid) != nullptr ? nodes_.Find(h.kid)->pid : 0;
-    for (const std::string& w : h.unsynced) {
-      std::string body = w.substr(kInHeader);
-      Store<uint64_t>(body.data() + offsetof(fuse_write_in, fh), h.pfh);
-      ++h.replaying;
-      ++stats_.writes_replayed;
-      SendOwn(OwnKind::kReplay, kfh, FUSE_WRITE, pid, body);
-    }
-    return;
   }
   WakeHandle(kfh);
 }
@@ -604,14 +596,10 @@ void RelayCore::SetJournal(StateJournal* journal) {
   nodes_.TrackChanges();
 }
 
-SavedHandle RelayCore::SavedHandleOf(const Handle& h) {
-  return SavedHandle{h.kid, h.flags, h.dir, h.maybe_lost, h.unsynced_bytes, {}};
-}
+SavedHandle RelayCore::SavedHandleOf(const Handle& h) { return SavedHandle{h.kid, h.flags, h.dir, h.maybe_lost, h.written}; }
 
 void RelayCore::JournalHandle(uint64_t kfh, const Handle& h) {
-  if (journal_ == nullptr) return;
-  journal_->Handle(kfh, SavedHandleOf(h));  // its writes follow
-  for (const std::string& w : h.unsynced) journal_->Write(kfh, w);
+  if (journal_ != nullptr) journal_->Handle(kfh, SavedHandleOf(h));
 }
 
 void RelayCore::FlushJournal() {
@@ -626,7 +614,7 @@ void RelayCore::FlushJournal() {
   }
   bool ok = journal_->Flush();
   // About what a compaction writes: each node and handle record, and the kept writes.
-  const uint64_t live = unsynced_total_ + 64 * (nodes_.size() + handles_.size()) + init_request_.size();
+  const uint64_t live = changes_.bytes() + 64 * (nodes_.size() + handles_.size()) + init_request_.size();
   if (ok && journal_->WantsCompaction(live)) {
     journal_->BeginCompaction();
     WriteState();
@@ -645,6 +633,10 @@ void RelayCore::WriteState() {
     if (n.kid != kRootId) journal_->Node(n.kid, SavedNodeOf(n));
   });
   for (const auto& [kfh, h] : handles_) JournalHandle(kfh, h);
+  for (const auto& [kid, n] : changes_.nodes()) {
+    for (uint64_t kfh : n.unsynced_handles) journal_->Unrepeatable(kid, kfh);
+    for (const Change& c : n.changes) journal_->Change(kid, c.kfh, c.msg, c.durable);
+  }
 }
 
 SavedState RelayCore::SaveForTest() const {
@@ -656,10 +648,8 @@ SavedState RelayCore::SaveForTest() const {
   nodes_.ForEach([&](const Node& n) {
     if (n.kid != kRootId) s.nodes[n.kid] = SavedNodeOf(n);
   });
-  for (const auto& [kfh, h] : handles_) {
-    SavedHandle& saved = s.handles[kfh] = SavedHandleOf(h);
-    saved.unsynced = h.unsynced;
-  }
+  for (const auto& [kfh, h] : handles_) s.handles[kfh] = SavedHandleOf(h);
+  s.changes = changes_;
   return s;
 }
 
@@ -676,16 +666,15 @@ void RelayCore::Restore(const SavedState& s) {
     h.kid = saved.kid;
     h.flags = saved.flags;
     h.dir = saved.dir;
-    h.unsynced = saved.unsynced;
-    h.unsynced_bytes = saved.unsynced_bytes;
-    // What a dead program held past the bound is gone with it (as in ProgramGone).
-    h.maybe_lost = saved.maybe_lost || saved.unsynced_bytes >= kMaxUnsyncedBytes;
-    for (const std::string& w : h.unsynced) unsynced_total_ += w.size();
+    h.written = saved.written;
+    h.maybe_lost = saved.maybe_lost;
     handles_.emplace(kfh, std::move(h));
     handle_kids.push_back(saved.kid);
     next_fh_ = std::max(next_fh_, kfh + 1);
   }
   nodes_.Restore(s.nodes, handle_kids);
+  changes_ = s.changes;
+  ApplyDeath();  // the program died with the launcher
 }
 
 // ---- Program instances ----
@@ -696,14 +685,14 @@ void RelayCore::ProgramGone() {
   ready_ = false;
   own_.clear();
   node_waiters_.clear();
+  replays_.clear();
   nodes_.NewInstance();
   for (auto& [kfh, h] : handles_) {
     h.opening = false;
     h.priming = false;
-    h.replaying = 0;
     h.waiters.clear();
-    if (h.unsynced_bytes >= kMaxUnsyncedBytes) h.maybe_lost = true;  // what it held is gone
   }
+  ApplyDeath();
   std::vector<uint64_t> poison;
   for (auto& [unique, r] : requests_) {
     if (r.state == State::kSent && IsNonIdempotent(r.opcode)) r.check = true;
@@ -738,11 +727,156 @@ void RelayCore::ProgramStarted() {
     SendOwn(OwnKind::kInit, 0, FUSE_INIT, 0, body);
     return;
   }
+  SetReady();
+}
+
+void RelayCore::SetReady() {
   ready_ = true;
   std::vector<uint64_t> queue = std::move(queue_);
   queue_.clear();
   std::sort(queue.begin(), queue.end());
   for (uint64_t unique : queue) Dispatch(unique);
+}
+
+// ---- What a death costs, and kept changes written again ----
+
+void RelayCore::ApplyDeath() {
+  std::vector<uint64_t> lost;  // kernel handles
+  for (auto& [kfh, h] : handles_) {
+    bool gone = false;
+    if (durability_ == Durability::kAtClose || durability_ == Durability::kAtUnmount) {
+      gone = h.written;
+    } else if (durability_ == Durability::kAtSync) {
+      const NodeChanges* n = changes_.Find(h.kid);
+      gone = n != nullptr && n->incomplete;
+    }
+    if (gone && !h.maybe_lost) {
+      h.maybe_lost = true;
+      lost.push_back(kfh);
+      JournalHandle(kfh, h);
+    }
+  }
+  if (!lost.empty()) {
+    stats_.files_lost += lost.size();
+    out_->Log(absl::StrCat("relay: ", lost.size(), " open file(s) had writes the program (which stores them at ",
+                           DurabilityName(durability_), ") may have lost when it died: their next fsync or close "
+                           "reports EIO"));
+  }
+  if (durability_ == Durability::kAtUnmount) {
+    out_->Log("relay: the program stores what is written only when it is unmounted: everything written since "
+              "the mount is gone with it");
+  }
+}
+
+void RelayCore::StartReplays() {
+  std::vector<uint64_t> kids;
+  for (const auto& [kid, n] : changes_.nodes()) {
+    if (!n.changes.empty()) kids.push_back(kid);
+  }
+  for (uint64_t kid : kids) {
+    Node* n = nodes_.Find(kid);
+    if (n == nullptr) {
+      // Neither open nor known to the kernel any more: nobody is left to tell.
+      out_->Log(absl::StrCat("relay: node ", kid, " had changes the program may not have stored, and is gone"));
+      changes_.Drop(kid);
+      if (journal_ != nullptr) journal_->DropChanges(kid);
+      continue;
+    }
+    replays_[kid] = Replay{};
+  }
+  if (replays_.empty()) {
+    SetReady();
+    return;
+  }
+  for (uint64_t kid : kids) {
+    if (replays_.count(kid) == 0) continue;
+    Node* n = nodes_.Find(kid);
+    if (n->pid != 0) {
+      ReplayOpen(kid);
+    } else {
+      WaitNode(kid, {Waiter::kReplay, kid});
+    }
+  }
+}
+
+void RelayCore::ReplayOpen(uint64_t kid) {
+  Node* n = nodes_.Find(kid);
+  if (n == nullptr || n->pid == 0) {
+    ReplayEnd(kid, false, "it no longer resolves in the restarted program");
+    return;
+  }
+  fuse_open_in in{};
+  in.flags = O_WRONLY;
+  SendOwn(OwnKind::kReplayOpen, kid, FUSE_OPEN, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+}
+
+void RelayCore::ReplayNext(uint64_t kid) {
+  auto it = replays_.find(kid);
+  const NodeChanges* nc = changes_.Find(kid);
+  Node* n = nodes_.Find(kid);
+  if (it == replays_.end() || n == nullptr) return;
+  Replay& rp = it->second;
+  if (nc == nullptr || rp.next >= nc->changes.size()) {
+    fuse_flush_in in{};
+    in.fh = rp.pfh;
+    SendOwn(OwnKind::kReplayFlush, kid, FUSE_FLUSH, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+    return;
+  }
+  const std::string& msg = nc->changes[rp.next].msg;
+  const uint32_t opcode = InHeader(msg.data()).opcode;
+  std::string body = msg.substr(kInHeader);
+  switch (opcode) {
+    case FUSE_WRITE:
+      Store<uint64_t>(body.data() + offsetof(fuse_write_in, fh), rp.pfh);
+      break;
+    case FUSE_SETATTR: {  // only its size is a change of the file's bytes
+      fuse_setattr_in in = Load<fuse_setattr_in>(body.data());
+      fuse_setattr_in size{};
+      size.valid = FATTR_SIZE | FATTR_FH;
+      size.size = in.size;
+      size.fh = rp.pfh;
+      body.assign(reinterpret_cast<const char*>(&size), sizeof(size));
+      break;
+    }
+    case FUSE_FALLOCATE:
+      Store<uint64_t>(body.data() + offsetof(fuse_fallocate_in, fh), rp.pfh);
+      break;
+    default:
+      break;
+  }
+  ++stats_.writes_replayed;
+  SendOwn(OwnKind::kReplayChange, kid, opcode, n->pid, body);
+}
+
+void RelayCore::ReplayEnd(uint64_t kid, bool ok, const std::string& why) {
+  auto it = replays_.find(kid);
+  if (it == replays_.end()) return;
+  const uint64_t pfh = it->second.pfh;
+  replays_.erase(it);
+  Node* n = nodes_.Find(kid);
+  if (pfh != 0 && n != nullptr && n->pid != 0) {
+    fuse_release_in in{};
+    in.fh = pfh;
+    in.flags = O_WRONLY;
+    SendOwn(OwnKind::kReplayRelease, kid, FUSE_RELEASE, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+  }
+  if (!ok) LoseNode(kid, why);
+  if (replays_.empty() && !ready_) SetReady();
+}
+
+void RelayCore::LoseNode(uint64_t kid, const std::string& why) {
+  const Node* n = nodes_.Find(kid);
+  out_->Log(absl::StrCat("relay: changes to '", n != nullptr ? std::string(n->name()) : std::string("?"), "' (node ", kid,
+                         ") the program that died may not have stored could not be written again: ", why,
+                         "; the next fsync or close of each of its open files reports EIO"));
+  ++stats_.files_lost;
+  changes_.Drop(kid);
+  if (journal_ != nullptr) journal_->DropChanges(kid);
+  for (auto& [kfh, h] : handles_) {
+    if (h.kid != kid || h.maybe_lost) continue;
+    h.maybe_lost = true;
+    JournalHandle(kfh, h);
+  }
 }
 
 // ---- Replies from the program ----
@@ -810,49 +944,76 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
       return;
     }
   }
-  KeepOrSync(r, h.error);
+  if (h.error == 0) NoteChange(r, msg, len);
   ++stats_.program_answers_since_start;
   Reply(msg, len);
   Complete(h.unique);
 }
 
-void RelayCore::KeepOrSync(Request& r, int error) {
-  if (error != 0 || (r.opcode != FUSE_WRITE && r.opcode != FUSE_FSYNC && r.opcode != FUSE_FLUSH)) return;
-  const long off = FhOffset(r.opcode, r.msg.data(), r.msg.size());
-  if (off < 0) return;
-  auto it = handles_.find(Load<uint64_t>(r.msg.data() + off));
-  if (it == handles_.end()) return;
-  Handle& h = it->second;
-  if (r.opcode != FUSE_WRITE) {  // synced: nothing the program holds is at risk any more
-    const bool had = h.unsynced_bytes != 0 || h.maybe_lost;
-    DropUnsynced(h);
-    h.unsynced_bytes = 0;
-    h.maybe_lost = false;
-    if (had) JournalHandle(it->first, h);
-    return;
-  }
-  if (h.unsynced_bytes + r.msg.size() > kMaxUnsyncedBytes ||
-      unsynced_total_ + r.msg.size() > kMaxUnsyncedTotalBytes) {
-    if (!h.unsynced.empty()) {
-      out_->Log(absl::StrCat("relay: file handle ", it->first, " has over ", kMaxUnsyncedBytes >> 20,
-                             " MiB written since its last fsync: if the program dies before the next one, that "
-                             "fsync or close reports EIO"));
+void RelayCore::NoteChange(Request& r, const char* reply, size_t len) {
+  const bool keep = durability_ == Durability::kAtSync;
+  auto add = [&](uint64_t kid, uint64_t kfh, std::string msg) {
+    if (changes_.Add(kid, kfh, std::move(msg))) {
+      if (journal_ != nullptr) journal_->Change(kid, kfh, changes_.Find(kid)->changes.back().msg);
+    } else {
+      if (journal_ != nullptr) journal_->Unrepeatable(kid, kfh);
     }
-    DropUnsynced(h);
-    const bool news = h.unsynced_bytes != kMaxUnsyncedBytes;
-    h.unsynced_bytes = kMaxUnsyncedBytes;  // stays over the bound until a sync
-    if (news) JournalHandle(it->first, h);
-    return;
+  };
+  const long off = FhOffset(r.opcode, r.msg.data(), r.msg.size());
+  const uint64_t kfh = off >= 0 ? Load<uint64_t>(r.msg.data() + off) : 0;
+  switch (r.opcode) {
+    case FUSE_WRITE: {
+      auto it = handles_.find(kfh);
+      if (it == handles_.end()) return;
+      if (!it->second.written) {
+        it->second.written = true;
+        JournalHandle(kfh, it->second);
+      }
+      if (keep) add(it->second.kid, kfh, std::move(r.msg));
+      return;
+    }
+    case FUSE_SETATTR: {
+      if (!keep || r.msg.size() < kInHeader + sizeof(fuse_setattr_in)) return;
+      const auto in = Load<fuse_setattr_in>(r.msg.data() + kInHeader);
+      if (!(in.valid & FATTR_SIZE)) return;
+      add(r.node, (in.valid & FATTR_FH) ? in.fh : 0, std::move(r.msg));
+      return;
+    }
+    case FUSE_FALLOCATE:
+      if (keep && handles_.count(kfh)) add(r.node, kfh, std::move(r.msg));
+      return;
+    case FUSE_OPEN: {
+      // Opened with O_TRUNC (the kernel's atomic_o_trunc): a truncate to 0, kept as one.
+      if (!keep || !(r.flags & O_TRUNC) || len < kOutHeader + sizeof(fuse_open_out)) return;
+      const uint64_t opened = Load<fuse_open_out>(reply + kOutHeader).fh;
+      fuse_setattr_in in{};
+      in.valid = FATTR_SIZE | FATTR_FH;
+      in.fh = opened;
+      fuse_in_header h = InHeader(r.msg.data());
+      h.opcode = FUSE_SETATTR;
+      h.len = static_cast<uint32_t>(kInHeader + sizeof(in));
+      add(r.node, opened,
+          std::string(reinterpret_cast<const char*>(&h), kInHeader) + std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+      return;
+    }
+    case FUSE_COPY_FILE_RANGE: {
+      if (!keep || r.msg.size() < kInHeader + sizeof(fuse_copy_file_range_in)) return;
+      const auto in = Load<fuse_copy_file_range_in>(r.msg.data() + kInHeader);
+      changes_.AddUnrepeatable(r.node2, in.fh_out);
+      if (journal_ != nullptr) journal_->Unrepeatable(r.node2, in.fh_out);
+      return;
+    }
+    case FUSE_FSYNC:
+    case FUSE_FLUSH: {
+      auto it = handles_.find(kfh);
+      if (it == handles_.end() || changes_.Find(it->second.kid) == nullptr) return;
+      changes_.Synced(it->second.kid, kfh);
+      if (journal_ != nullptr) journal_->Synced(it->second.kid, kfh);
+      return;
+    }
+    default:
+      return;
   }
-  if (journal_ != nullptr) journal_->Write(it->first, r.msg);
-  h.unsynced_bytes += r.msg.size();
-  unsynced_total_ += r.msg.size();
-  h.unsynced.push_back(std::move(r.msg));
-}
-
-void RelayCore::DropUnsynced(Handle& h) {
-  for (const std::string& w : h.unsynced) unsynced_total_ -= w.size();
-  h.unsynced.clear();
 }
 
 bool RelayCore::TranslateReply(Request& r, char* msg, size_t len, std::string* why) {
@@ -996,11 +1157,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
       }
       std::string copy(msg, len);
       OnInitReply(copy.data(), copy.size(), /*replayed=*/true);
-      ready_ = true;
-      std::vector<uint64_t> queue = std::move(queue_);
-      queue_.clear();
-      std::sort(queue.begin(), queue.end());
-      for (uint64_t unique : queue) Dispatch(unique);
+      StartReplays();  // then SetReady
       Forgets();
       return;
     }
@@ -1035,18 +1192,37 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
     case OwnKind::kCheck:
       OnCheckReply(own.id, msg, len);
       return;
-    case OwnKind::kReplay: {
-      auto hit = handles_.find(own.id);
-      if (hit == handles_.end()) return;
-      if (h.error != 0) {
-        hit->second.maybe_lost = true;
-        JournalHandle(own.id, hit->second);
-        out_->Log(absl::StrCat("relay: writing unsynced data again into file handle ", own.id, " failed: ",
-                               strerror(-h.error), "; its next fsync or close reports EIO"));
+    case OwnKind::kReplayOpen:
+      if (h.error != 0 || len < kOutHeader + sizeof(fuse_open_out)) {
+        ReplayEnd(own.id, false, absl::StrCat("opening it for writing: ", h.error != 0 ? strerror(-h.error) : "short reply"));
+        return;
       }
-      if (hit->second.replaying > 0 && --hit->second.replaying == 0) WakeHandle(own.id);
+      if (auto rp = replays_.find(own.id); rp != replays_.end()) {
+        rp->second.pfh = Load<fuse_open_out>(msg + kOutHeader).fh;
+        ReplayNext(own.id);
+      }
       return;
-    }
+    case OwnKind::kReplayChange:
+      if (h.error != 0) {
+        ReplayEnd(own.id, false, absl::StrCat(OpName(own.opcode), ": ", strerror(-h.error)));
+        return;
+      }
+      if (auto rp = replays_.find(own.id); rp != replays_.end()) {
+        ++rp->second.next;
+        ReplayNext(own.id);
+      }
+      return;
+    case OwnKind::kReplayFlush:
+      if (h.error == 0) {
+        // Stored again: nothing of it is at risk any more.
+        changes_.Drop(own.id);
+        if (journal_ != nullptr) journal_->DropChanges(own.id);
+      }
+      // ENOSYS: the program has no FLUSH; its changes are back where they were before it died.
+      ReplayEnd(own.id, h.error == 0 || h.error == -ENOSYS, absl::StrCat("FLUSH: ", strerror(-h.error)));
+      return;
+    case OwnKind::kReplayRelease:
+      return;
     case OwnKind::kPrime: {
       // The listing read from 0 only to let the program resume: give back the lookups a
       // READDIRPLUS took (the kernel never sees these entries).

@@ -40,6 +40,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "agent/fkserve/relay/change_log.h"
+#include "agent/fkserve/relay/durability.h"
 #include "agent/fkserve/relay/node_table.h"
 #include "agent/fkserve/relay/relay_state.h"
 
@@ -66,7 +68,8 @@ struct RelayStats {
   uint64_t restore_failures = 0;   // requests failed because what they name could not be restored
   uint64_t bad_messages = 0;       // malformed or unexpected messages from the program
   uint64_t done_by_dead = 0;       // non-idempotent requests found done by the dead instance
-  uint64_t writes_replayed = 0;    // unsynced WRITEs written again into a reopened handle
+  uint64_t writes_replayed = 0;    // changes not yet durable written again into a new instance
+  uint64_t files_lost = 0;         // files whose changes a death may have lost (EIO at their next sync)
   uint64_t answers_since_start = 0;  // replies to the kernel since the last ProgramStarted
   uint64_t program_answers_since_start = 0;  // of those, the program's own (not the relay's)
 };
@@ -74,8 +77,12 @@ struct RelayStats {
 class RelayCore {
  public:
   // `max_message_bytes`: the largest message the program's socket carries (max_write and
-  // max_pages are clamped to fit a WRITE request and a READ reply in it).
-  RelayCore(RelayOutput* out, size_t max_message_bytes);
+  // max_pages are clamped to fit a WRITE request and a READ reply in it). `durability`: when the
+  // program makes a change durable (durability.h), which decides what a death costs: nothing
+  // (kAtReply), changes written again (kAtSync: before a new instance sees any request, each
+  // file's changes since its handles' last syncs, in their order, then FLUSHed), or an EIO at
+  // the next FSYNC/FLUSH of every file that was written (kAtClose: open files; kAtUnmount).
+  RelayCore(RelayOutput* out, size_t max_message_bytes, Durability durability = Durability::kAtSync);
 
   // One request as read from /dev/fuse (len bytes at msg; may be modified).
   void FromKernel(char* msg, size_t len);
@@ -136,28 +143,23 @@ class RelayCore {
     // resume a fresh handle elsewhere (sshfs asserts). Read once from 0 before resuming.
     bool needs_prime = false;
     bool priming = false;
-    // WRITEs the program answered since the handle's last successful FSYNC or FLUSH (the
-    // kernel's messages): a program that keeps data until it syncs (s3fs uploads on fsync and
-    // close) loses them when it dies, so they are written again into the reopened handle
-    // before anything else uses it. Bounded (kMaxUnsyncedBytes): past that, or if a replay
-    // fails, the handle's next FSYNC or FLUSH answers EIO instead of a success that would lie.
-    std::vector<std::string> unsynced;
-    size_t unsynced_bytes = 0;
+    bool written = false;  // a WRITE went through it since it was opened
+    // Something written to the file may be gone with a dead instance: its next FSYNC or FLUSH
+    // answers EIO instead of a success that would lie (then it is cleared, as the kernel
+    // reports a writeback error once).
     bool maybe_lost = false;
-    size_t replaying = 0;
-    uint64_t replayed_in = 0;  // the instance they were last written again into
     bool lost = false;
     int lost_error = 0;
     std::vector<uint64_t> waiters;  // request uniques
   };
-  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime, kReplay };
+  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime, kReplayOpen, kReplayChange, kReplayFlush, kReplayRelease };
   struct Own {
     OwnKind kind;
     uint64_t id;      // kid (kLookup), kernel fh (kOpen, kPrime), kernel unique (kCheck)
     uint32_t opcode;  // what was sent (a primer's READDIR or READDIRPLUS)
   };
   struct Waiter {
-    enum Kind { kRequest, kNode, kHandle } kind;
+    enum Kind { kRequest, kNode, kHandle, kReplay } kind;
     uint64_t id;
   };
 
@@ -175,7 +177,7 @@ class RelayCore {
   void ToKernel(const char* data, size_t len);
   void FlushJournal();
   void JournalHandle(uint64_t kfh, const Handle& h);
-  static SavedHandle SavedHandleOf(const Handle& h);  // without its writes
+  static SavedHandle SavedHandleOf(const Handle& h);
   void WriteState();  // the whole state, into a compaction
   void Forgets();
   void ForgetInProgram(uint64_t pid, uint64_t count);
@@ -188,9 +190,21 @@ class RelayCore {
   void StartReopen(uint64_t kfh);
   void Reopened(uint64_t kfh, int error);
   void WakeHandle(uint64_t kfh);
-  // Takes a WRITE's message (the request is about to complete).
-  void KeepOrSync(Request& r, int error);
-  void DropUnsynced(Handle& h);
+  // A request the program answered without error changes a file or syncs it: what the
+  // ChangeLog and the handle learn (takes a WRITE's message: the request is about to complete).
+  void NoteChange(Request& r, const char* reply, size_t len);
+  // What a death costs under durability_: handles marked maybe_lost; kept changes stay for
+  // StartReplays.
+  void ApplyDeath();
+  // The new instance answered its INIT: every file with kept changes gets them again, one file
+  // and one change at a time (a multi-threaded program could reorder a batch), then a FLUSH;
+  // requests wait until all are done (a LOOKUP answered before would give the kernel an old size).
+  void StartReplays();
+  void ReplayOpen(uint64_t kid);
+  void ReplayNext(uint64_t kid);
+  void ReplayEnd(uint64_t kid, bool ok, const std::string& why);
+  void LoseNode(uint64_t kid, const std::string& why);
+  void SetReady();
   uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
   // A request of the relay's own (a unique the kernel never uses) to the program; `reply`: what
   // its reply is for (none for FORGET and BATCH_FORGET). Returns the unique.
@@ -213,7 +227,13 @@ class RelayCore {
   uint64_t next_fh_ = 1;
   std::unordered_map<uint64_t, Own> own_;           // by own unique
   uint64_t next_own_ = 0;
-  size_t unsynced_total_ = 0;  // bytes kept in all handles' unsynced
+  const Durability durability_;
+  ChangeLog changes_;  // kAtSync: what the program answered and may not have stored
+  struct Replay {
+    uint64_t pfh = 0;   // the relay's own handle, in the current instance
+    size_t next = 0;    // the next change to send
+  };
+  std::unordered_map<uint64_t, Replay> replays_;  // by kid: files being given their changes again
   std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
   uint64_t instance_ = 0;  // current instance number (1 = first)
   bool attached_ = false;

@@ -31,6 +31,7 @@ constexpr size_t kDirectPayload = 4096;
 constexpr uint64_t kMaxJournalBytes = 1ULL << 30;
 constexpr size_t kMaxName = 1024;
 constexpr size_t kWriteHeader = 40 + 40;  // fuse_in_header + fuse_write_in
+constexpr size_t kInHeaderBytes = 40;     // fuse_in_header
 
 uint64_t RoundUp(uint64_t v) { return (v + kPage - 1) / kPage * kPage; }
 
@@ -179,23 +180,43 @@ absl::StatusOr<SavedState> StateJournal::Parse(absl::string_view file, uint64_t*
         break;
       }
       case 'H': {
-        uint64_t kfh, kid, unsynced_bytes;
+        uint64_t kfh, kid, written;
         uint32_t flags;
         uint8_t dir, maybe_lost;
         if (!r.Get(&kfh) || !r.Get(&kid) || !r.Get(&flags) || !r.Get(&dir) || !r.Get(&maybe_lost) ||
-            !r.Get(&unsynced_bytes) || !r.rest().empty() || kfh == 0 || kid == 0 || dir > 1 || maybe_lost > 1) {
+            !r.Get(&written) || !r.rest().empty() || kfh == 0 || kid == 0 || dir > 1 || maybe_lost > 1) {
           return bad("bad handle record" + at);
         }
         SavedHandle& h = s.handles[kfh];
-        h = SavedHandle{kid, flags, dir == 1, maybe_lost == 1, unsynced_bytes, {}};
+        // A launcher before the ChangeLog wrote a handle's record again with 0 here when it synced
+        // (its 'W' records follow it otherwise); this launcher never clears `written`.
+        if (h.written && written == 0) s.changes.Synced(h.kid, kfh);
+        h = SavedHandle{kid, flags, dir == 1, maybe_lost == 1, written != 0};
         break;
       }
-      case 'W': {
+      case 'W': {  // a launcher before the ChangeLog: a WRITE kept per handle (kept per node now)
         uint64_t kfh;
         if (!r.Get(&kfh) || r.rest().size() < kWriteHeader) return bad("bad write record" + at);
         auto h = s.handles.find(kfh);
         if (h == s.handles.end()) return bad(absl::StrCat("a write kept for handle ", kfh, ", which is not open", at));
-        h->second.unsynced.emplace_back(r.rest());
+        h->second.written = true;
+        s.changes.Add(h->second.kid, kfh, std::string(r.rest()));
+        break;
+      }
+      case 'C':
+      case 'U':
+      case 'Y':
+      case 'D': {
+        uint64_t kid, kfh = 0;
+        uint8_t durable = 0;
+        if (!r.Get(&kid) || kid == 0 || (type != 'D' && !r.Get(&kfh)) || (type == 'C' && !r.Get(&durable)) ||
+            durable > 1 || (type == 'C' ? r.rest().size() < kInHeaderBytes : !r.rest().empty())) {
+          return bad("bad change record" + at);
+        }
+        if (type == 'C') s.changes.Add(kid, kfh, std::string(r.rest()), durable == 1);
+        if (type == 'U') s.changes.AddUnrepeatable(kid, kfh);
+        if (type == 'Y') s.changes.Synced(kid, kfh);
+        if (type == 'D') s.changes.Drop(kid);
         break;
       }
       default:
@@ -287,15 +308,35 @@ void StateJournal::Handle(uint64_t kfh, const SavedHandle& h) {
   Put(&a, h.flags);
   Put<uint8_t>(&a, h.dir ? 1 : 0);
   Put<uint8_t>(&a, h.maybe_lost ? 1 : 0);
-  Put(&a, h.unsynced_bytes);
+  Put<uint64_t>(&a, h.written ? 1 : 0);
   Record('H', a);
 }
 
 void StateJournal::HandleGone(uint64_t kfh) { Record('h', absl::string_view(reinterpret_cast<const char*>(&kfh), 8)); }
 
-void StateJournal::Write(uint64_t kfh, absl::string_view write_request) {
-  Record('W', absl::string_view(reinterpret_cast<const char*>(&kfh), 8), write_request);
+void StateJournal::Change(uint64_t kid, uint64_t kfh, absl::string_view request, bool durable) {
+  std::string a;
+  Put(&a, kid);
+  Put(&a, kfh);
+  Put<uint8_t>(&a, durable ? 1 : 0);
+  Record('C', a, request);
 }
+
+void StateJournal::Unrepeatable(uint64_t kid, uint64_t kfh) {
+  std::string a;
+  Put(&a, kid);
+  Put(&a, kfh);
+  Record('U', a);
+}
+
+void StateJournal::Synced(uint64_t kid, uint64_t kfh) {
+  std::string a;
+  Put(&a, kid);
+  Put(&a, kfh);
+  Record('Y', a);
+}
+
+void StateJournal::DropChanges(uint64_t kid) { Record('D', absl::string_view(reinterpret_cast<const char*>(&kid), 8)); }
 
 bool StateJournal::Flush() {
   bool ok = !failed_;

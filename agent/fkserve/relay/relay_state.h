@@ -10,9 +10,10 @@
 // a program restart.
 //
 // What is kept: the kernel's FUSE_INIT and the max_write it was promised; each node the kernel
-// holds (kid, parent, name, kernel lookup count); each open handle (node, open flags) with the
-// WRITEs answered since its last sync (a program like s3fs holds them until then). Requests in
-// flight are not: the kernel resends them.
+// holds (kid, parent, name, kernel lookup count); each open handle (node, open flags, whether it
+// wrote); and the ChangeLog (change_log.h: per node, the changes a program like s3fs holds until
+// it syncs), as the operations made on it, which Parse makes again. Requests in flight are not:
+// the kernel resends them.
 //
 // Layout: a header page at offset 0 ("FKRELAY1", u64 start of the log), then records from
 // `start`: u32 length (type + payload), u32 check (FNV-1a of offset, length, type and the first
@@ -36,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "agent/base/unique_fd.h"
+#include "agent/fkserve/relay/change_log.h"
 
 namespace fusekeeper::relay {
 
@@ -50,8 +52,7 @@ struct SavedHandle {
   uint32_t flags = 0;
   bool dir = false;
   bool maybe_lost = false;
-  uint64_t unsynced_bytes = 0;         // may be over what `unsynced` holds (past the relay's bound)
-  std::vector<std::string> unsynced;   // the kernel's WRITE messages, in order
+  bool written = false;  // a WRITE went through it since it was opened
 };
 
 struct SavedState {
@@ -59,6 +60,7 @@ struct SavedState {
   uint32_t max_write = 0;
   std::map<uint64_t, SavedNode> nodes;      // by kid (the root is implied)
   std::map<uint64_t, SavedHandle> handles;  // by kernel fh
+  ChangeLog changes;
 };
 
 class StateJournal {
@@ -79,10 +81,13 @@ class StateJournal {
   void Init(absl::string_view init_request, uint32_t max_write);
   void Node(uint64_t kid, const SavedNode& node);
   void NodeGone(uint64_t kid);
-  // A handle's whole state; its kept WRITEs are the ones recorded with Write after this.
   void Handle(uint64_t kfh, const SavedHandle& handle);
   void HandleGone(uint64_t kfh);
-  void Write(uint64_t kfh, absl::string_view write_request);
+  // The ChangeLog's operations, in the order they were made on it (Parse makes them again).
+  void Change(uint64_t kid, uint64_t kfh, absl::string_view request, bool durable = false);
+  void Unrepeatable(uint64_t kid, uint64_t kfh);
+  void Synced(uint64_t kid, uint64_t kfh);
+  void DropChanges(uint64_t kid);
 
   // Writes what is buffered. False if the memfd could not take it (the state kept from then on
   // is incomplete: logged once by the caller; the relay goes on).
