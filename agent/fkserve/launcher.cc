@@ -176,6 +176,20 @@ class StderrTail {
 
 }  // namespace
 
+absl::Status CheckDurability(const std::string& durability) {
+  if (durability == "auto" || relay::ParseDurability(durability).has_value()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--durability=", durability,
+                                                 ": say when the program stores a change: write (before it answers "
+                                                 "it), sync (at fsync/close), close (after close), unmount, or auto"));
+}
+
+relay::Durability ResolveDurability(const LaunchOptions& options) {
+  if (auto d = relay::ParseDurability(options.durability)) return *d;
+  if (options.program.empty()) return relay::Durability::kAtSync;
+  return relay::KnownDurability(options.program[0], absl::StrJoin(options.program, " "))
+      .value_or(relay::Durability::kAtSync);
+}
+
 std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& program, int fd,
                                            const std::string& mountpoint) {
   std::vector<std::string> out;
@@ -398,7 +412,11 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
       }
     };
     const bool adopting = relay_state.valid();
-    auto r = relay::Relay::Start(fuse_fd.get(), cb, std::move(relay_state));
+    // When the program makes a change durable decides what its death may cost (durability.h).
+    const relay::Durability durability = ResolveDurability(o);
+    fprintf(stderr, "fkserve: %s stores changes at %s%s\n", name.c_str(), relay::DurabilityName(durability),
+            o.durability.empty() || o.durability == "auto" ? " (assumed from the program's name)" : "");
+    auto r = relay::Relay::Start(fuse_fd.get(), cb, std::move(relay_state), durability);
     if (!r.ok() && adopting) {
       // The state the dead launcher left cannot be carried on from: a fresh connection (the
       // agent mounts one and re-binds every pod target; open files are lost, as with --direct).
@@ -413,7 +431,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
         return fail(4, "the agent did not send a fresh connection after one was asked for");
       }
       fuse_fd = std::move(msg->fd);
-      r = relay::Relay::Start(fuse_fd.get(), cb);
+      r = relay::Relay::Start(fuse_fd.get(), cb, UniqueFd(), durability);
     } else if (r.ok() && adopting) {
       adopted = absl::StrCat("the launcher before this one ended, carrying on from its relay state (",
                              (*r)->restored_nodes(), " node(s), ", (*r)->restored_handles(), " open handle(s))");

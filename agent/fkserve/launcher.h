@@ -30,7 +30,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "agent/base/unique_fd.h"
+#include "agent/fkserve/relay/durability.h"
 
 namespace fusekeeper {
 
@@ -58,7 +60,16 @@ struct LaunchOptions {
   // > 0: a server pod's (MountConfig::drain_ms): asked to stop, the launcher serves on until the
   // agent's successor waits, for at most this long (agent_link.h).
   int64_t drain_ms = 0;
+  // Relayed: when the program makes a change durable, what a death may cost
+  // (relay/durability.h): "write", "sync", "close", "unmount", or "auto" (known programs by
+  // name, else "sync"). CheckDurability tells a bad value.
+  std::string durability = "auto";
 };
+
+// OK, or INVALID_ARGUMENT naming the accepted values.
+absl::Status CheckDurability(const std::string& durability);
+// The durability a launch uses (options.durability, resolved for "auto").
+relay::Durability ResolveDurability(const LaunchOptions& options);
 
 // Runs the program on `fuse_fd`, answering the handoff on `sock`; returns fkserve's exit status:
 // the program's (128+signal if it was killed). `relay_state`: the state a dead launcher of this

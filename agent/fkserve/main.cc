@@ -68,6 +68,12 @@ DEFINE_int32(max_restarts, 8,
 DEFINE_int32(restart_window_ms, 10000,
              "launch (relayed): a program that dies within this long of its start is restarted after a "
              "growing delay (100 ms doubling to 5 s) instead of at once");
+DEFINE_string(durability, "auto",
+              "launch (relayed): when the program stores a change, which decides what its death costs: "
+              "write (before it answers it: nothing is lost, nothing replayed), sync (at fsync/close: what it "
+              "answered since is written again into the next instance), close (after close: open files that "
+              "were written get EIO at their next fsync/close), unmount (the same, and files closed since the "
+              "mount are lost), auto (known programs by name, else sync)");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "
@@ -150,6 +156,7 @@ int main(int argc, char** argv) {
   if (mode != "serve" && mode != "launch") return Fail(2, absl::StrCat("unknown mode '", mode, "'"));
   if (FLAGS_socket.empty()) return Fail(2, "--socket is required");
   if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
+  if (auto s = fusekeeper::CheckDurability(FLAGS_durability); !s.ok()) return Fail(2, std::string(s.message()));
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
   sockaddr_un addr{};
@@ -263,6 +270,7 @@ int main(int argc, char** argv) {
     lo.mark_ready = MarkReady;
     lo.relay = !FLAGS_direct;
     lo.max_restarts = FLAGS_max_restarts;
+    lo.durability = FLAGS_durability;
     lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);
     lo.drain_ms = config->drain_ms;
     return fusekeeper::Launch(std::move(sock), std::move(msg->fd),

@@ -240,7 +240,8 @@ struct Relay::LoopState final : RelayOutput {
   }
 };
 
-absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks, UniqueFd state) {
+absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks, UniqueFd state,
+                                                   Durability durability) {
   std::unique_ptr<Relay> r(new Relay());
   // The largest message a socket pair carries here: the sender's buffer, less the kernel's own
   // 32 bytes of accounting (unix_dgram_sendmsg), and a margin.
@@ -268,7 +269,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   if (!st->kernel.valid()) return absl::InternalError(absl::StrCat("dup of the connection: ", strerror(errno)));
   st->cb = std::move(callbacks);
   st->max_message = r->max_message_;
-  st->core = std::make_unique<RelayCore>(st.get(), r->max_message_);
+  st->core = std::make_unique<RelayCore>(st.get(), r->max_message_, durability);
   const bool adopting = state.valid();
   if (adopting) {
     SavedState saved;

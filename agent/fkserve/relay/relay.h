@@ -45,8 +45,10 @@ class Relay {
   // 6.9+). Invalid: a new connection, and a new state memfd. An unreadable state, or a kernel
   // that cannot resend, is an error (INVALID_ARGUMENT, FAILED_PRECONDITION): the caller asks
   // for a fresh connection instead.
+  // `durability`: when the program makes a change durable (durability.h; RelayCore).
   static absl::StatusOr<std::unique_ptr<Relay>> Start(int kernel_fd, RelayCallbacks callbacks,
-                                                      UniqueFd state = UniqueFd());
+                                                      UniqueFd state = UniqueFd(),
+                                                      Durability durability = Durability::kAtSync);
   ~Relay();
 
   // Blocking (waits for the loop to take it). A socket pair for the next program instance: the
