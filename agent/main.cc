@@ -79,6 +79,12 @@ DEFINE_int32(handoff_timeout_ms, 300000,
              "a FUSE volume no server has claimed by then has its connection aborted: it stays "
              "mounted and fails fast (ENOTCONN), a Warning Event says what to check, and a server "
              "that connects later gets a fresh connection");
+DEFINE_int32(init_timeout_ms, 30000,
+             "a FUSE server that takes a fresh connection and has not answered the kernel's first "
+             "requests (FUSE_INIT, then a GETATTR of the mount's root) within this long has the connection "
+             "aborted: the mount fails fast (ENOTCONN) instead of hanging every access (kubelet's too), a "
+             "Warning Event (FuseServerNotAnswering) names the server, and the next server gets a fresh "
+             "connection. 0: no deadline");
 DEFINE_int32(redeposit_wait_ms, 1000,
              "after an agent restart, how long a server connecting to a FUSE volume's socket has to "
              "re-deposit its live connection before it is given a fresh one");
@@ -148,6 +154,8 @@ void DefineMetrics(fusekeeper::Metrics& m) {
            "serving FUSE volumes whose server relays the connection and restarts its program without errors "
            "(fkserve launch)");
   m.Define("fusekeeper_handoffs_waiting", T::kGauge, "FUSE volumes whose server has not connected yet");
+  m.Define("fusekeeper_fuse_servers_not_answering_total", T::kCounter,
+           "FUSE connections aborted because the server that took them did not answer within --init_timeout_ms");
   m.Define("fusekeeper_pods_unreachable_by_recovery", T::kGauge,
            "pods mounting one of our volumes in a container without mountPropagation HostToContainer");
   m.Define("fusekeeper_repairs_in_progress", T::kGauge, "volumes being repaired right now");
@@ -203,12 +211,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (FLAGS_pool_threads < 1 || FLAGS_pool_max_queued < 1 || FLAGS_shutdown_grace_ms < 0 ||
-      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_server_gone_grace_ms < 0 || FLAGS_state_lock_wait_ms < 0 || FLAGS_audit_period_ms < 1 ||
+      FLAGS_stats_timeout_ms < 1 || FLAGS_handoff_timeout_ms < 1 || FLAGS_redeposit_wait_ms < 1 || FLAGS_server_gone_grace_ms < 0 || FLAGS_state_lock_wait_ms < 0 || FLAGS_init_timeout_ms < 0 || FLAGS_audit_period_ms < 1 ||
       FLAGS_kubelet_poll_period_ms < 1 || FLAGS_max_queued_per_volume < 0 || FLAGS_max_queue_wait_ms < 1 ||
       FLAGS_probe_loop_stall_ms < 1) {
     LOG(ERROR) << "--pool_threads, --pool_max_queued, --stats_timeout_ms, --handoff_timeout_ms, --redeposit_wait_ms, "
                   "--audit_period_ms, --kubelet_poll_period_ms, --max_queue_wait_ms and --probe_loop_stall_ms must "
-                  "be >= 1; --shutdown_grace_ms, --server_gone_grace_ms, --state_lock_wait_ms and "
+                  "be >= 1; --shutdown_grace_ms, --server_gone_grace_ms, --state_lock_wait_ms, --init_timeout_ms and "
                   "--max_queued_per_volume >= 0";
     return 2;
   }
@@ -310,6 +318,7 @@ int main(int argc, char** argv) {
                                      .socket_dir = FLAGS_state_dir + "/sockets",
                                      .server_pods = server_pods.get(),
                                      .handoff_timeout = absl::Milliseconds(FLAGS_handoff_timeout_ms),
+                                     .init_timeout = absl::Milliseconds(FLAGS_init_timeout_ms),
                                      .redeposit_wait = absl::Milliseconds(FLAGS_redeposit_wait_ms),
                                      .server_gone_grace = absl::Milliseconds(FLAGS_server_gone_grace_ms),
                                      .max_queued_per_volume = FLAGS_max_queued_per_volume,
@@ -352,6 +361,7 @@ int main(int argc, char** argv) {
     m.Set("fusekeeper_handoffs_waiting", "", counts.handoffs_waiting);
     m.Set("fusekeeper_repairs_in_progress", "", counts.repairs_in_progress);
     m.Set("fusekeeper_volumes_relayed", "", counts.relayed);
+    m.Set("fusekeeper_fuse_servers_not_answering_total", "", static_cast<double>(counts.servers_not_answering));
   });
   // Events go to the API server when running in a cluster; elsewhere they are only logged.
   std::unique_ptr<fusekeeper::EventRecorder> events;

@@ -384,13 +384,20 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   StopEndpoint(v.volume_id(), path);
   HandoffEndpoint::Events events;
   const std::string vid = v.volume_id();
-  events.on_served = [this, key, vid, path](const HandoffReply& reply, pid_t) {
+  events.on_served = [this, key, vid, path](const HandoffReply& reply, pid_t pid) {
     auto it = endpoints_.find(key);
     if (it == endpoints_.end()) return;
     it->second.relayed = reply.relayed;
     host_.loop().CancelTimer(it->second.timeout);
     const bool adopted = it->second.endpoint->adoptions() > it->second.adoptions_seen;
     it->second.adoptions_seen = it->second.endpoint->adoptions();
+    // A connection no server has initialised yet (not adopted, not handed back after an agent
+    // restart): until its server answers FUSE_INIT every access to the mount waits.
+    if (!adopted && !reply.redeposit) {
+      StartAnswerProbe(it->second, vid, path,
+                       absl::StrCat(reply.server.empty() ? "a server that did not name itself" : reply.server,
+                                    pid > 0 ? absl::StrCat(", pid ", pid) : ""));
+    }
     OnServed(vid, path, adopted);
     // A re-deposit after an agent restart with a new pod's server on standby: the roll it held
     // back can go on now.
@@ -543,6 +550,7 @@ void FuseKind::StopEndpoint(const std::string& volume_id, const std::string& pat
   auto it = endpoints_.find(EndpointKey(volume_id, path));
   if (it == endpoints_.end()) return;
   host_.loop().CancelTimer(it->second.timeout);
+  StopAnswerProbe(it->second);
   if (it->second.gone_pending > 0) {
     LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped as the volume was unpublished at " << path
               << " (a pod going away): no Warning";
@@ -593,6 +601,93 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
   const PathMounts mounts = MountsAt(*v, path);
   host_.RunClaimed(std::move(claim),
                    KindJob{"handoff timeout: abort the unserved connection",
+                           [ctx = host_.ops_context(), path, mounts]() -> absl::StatusOr<AdoptFn> {
+                             AbortConnectionsAtBlocking(*ctx.kubelet, path,
+                                                        {mounts.top.dev_minor(), mounts.base.dev_minor()});
+                             return AdoptFn([] { return VolumeChange::Keep(); });
+                           }},
+                   nullptr);
+}
+
+void FuseKind::StartAnswerProbe(Endpoint& e, const std::string& volume_id, const std::string& path,
+                                std::string server) {
+  StopAnswerProbe(e);
+  if (options_.init_timeout <= absl::ZeroDuration()) return;
+  e.answer_server = std::move(server);
+  const uint64_t serial = e.serial;
+  const std::string key = EndpointKey(volume_id, path);
+  const absl::Time asked = absl::Now();
+  e.answer_probe = AnswerProbe::Start(host_.loop(), path, [this, key, serial, asked, volume_id](int32_t res) {
+    auto ep = endpoints_.find(key);
+    if (ep == endpoints_.end() || ep->second.serial != serial) return;
+    host_.loop().CancelTimer(ep->second.init_timer);
+    ep->second.init_timer = 0;
+    ep->second.answer_probe.reset();
+    // Any answer counts, an error too (a server that refused FUSE_INIT does answer). ENOTCONN:
+    // the connection was aborted meanwhile (a repair, or the kernel), which its own event reports.
+    const std::string after = absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Milliseconds(1)));
+    if (res == -ENOTCONN) {
+      LOG(INFO) << "volume " << volume_id << ": its FUSE connection was aborted " << after << " after the handoff, "
+                << "before its server (" << ep->second.answer_server << ") had answered";
+    } else {
+      LOG(INFO) << "volume " << volume_id << ": its FUSE server (" << ep->second.answer_server
+                << ") answered the kernel's first requests" << (res < 0 ? absl::StrCat(" (", strerror(-res), ")") : "")
+                << " " << after << " after the handoff";
+    }
+  });
+  e.init_timer = host_.loop().AddTimer(absl::ToChronoNanoseconds(options_.init_timeout),
+                                       [this, volume_id, path] { OnInitTimeout(volume_id, path); });
+}
+
+void FuseKind::StopAnswerProbe(Endpoint& e) {
+  host_.loop().CancelTimer(e.init_timer);
+  e.init_timer = 0;
+  if (e.answer_probe != nullptr) {
+    if (e.answer_probe->pending()) {
+      LOG(INFO) << "no longer waiting for " << e.answer_probe->path() << "'s FUSE server (" << e.answer_server
+                << ") to answer: its connection is going";
+    }
+    e.answer_probe->Abandon();
+  }
+  e.answer_probe.reset();
+}
+
+void FuseKind::OnInitTimeout(const std::string& volume_id, const std::string& path) {
+  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+  if (ep == endpoints_.end()) return;
+  ep->second.init_timer = 0;
+  // Answered meanwhile (the probe's end cancels this timer, unless it came during a retry).
+  if (ep->second.answer_probe == nullptr || !ep->second.answer_probe->pending()) return;
+  const state::Volume* v = host_.Find(volume_id);
+  if (v == nullptr) return;
+  ClaimQueue::Claim claim = host_.TryClaim(volume_id);
+  if (!claim) {
+    // An RPC on this volume is in progress (an unstage aborts the connection itself); look
+    // again shortly.
+    ep->second.init_timer = host_.loop().AddTimer(std::chrono::seconds(1), [this, volume_id, path] {
+      OnInitTimeout(volume_id, path);
+    });
+    return;
+  }
+  const std::string server = ep->second.answer_server;
+  StopAnswerProbe(ep->second);  // the abort ends it (ENOTCONN): nothing more to learn from it
+  // As for a server that never came (OnHandoffTimeout): the mount stays, its connection is
+  // aborted so that everything waiting on it (kubelet's checks too) fails fast, and the next
+  // server that connects gets a fresh connection stacked on the mount.
+  ep->second.gave_up = true;
+  ep->second.endpoint->ExpectAbort();
+  ++servers_not_answering_;
+  const std::string message = absl::StrCat(
+      "its FUSE server (", server, ") took the connection of volume ", volume_id, " and did not answer the kernel's "
+      "first requests (FUSE_INIT, then a GETATTR of the mount's root) within ", absl::FormatDuration(options_.init_timeout),
+      "; the connection was aborted, so the mount fails fast (ENOTCONN) instead of hanging, until a server that "
+      "answers connects to ", v->fuse().socket_path(), " (it gets a fresh connection). Check that the server "
+      "serves the fd it was handed (a launched program: /dev/fd/{fd} or {mountpoint}) and its logs");
+  ep->second.gone_reason = message;
+  host_.Event(*v, "Warning", "FuseServerNotAnswering", message);
+  const PathMounts mounts = MountsAt(*v, path);
+  host_.RunClaimed(std::move(claim),
+                   KindJob{"init timeout: abort the connection its server does not answer",
                            [ctx = host_.ops_context(), path, mounts]() -> absl::StatusOr<AdoptFn> {
                              AbortConnectionsAtBlocking(*ctx.kubelet, path,
                                                         {mounts.top.dev_minor(), mounts.base.dev_minor()});

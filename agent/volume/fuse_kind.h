@@ -20,6 +20,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "agent/fuse/answer_probe.h"
 #include "agent/fuse/handoff_endpoint.h"
 #include "agent/serverpod/server_pods.h"
 #include "agent/volume/fuse_volume_ops.h"
@@ -53,6 +54,12 @@ struct FuseKindOptions {
   // A failed repair is retried after this, doubling up to max_repair_backoff.
   absl::Duration repair_backoff = absl::Milliseconds(200);
   absl::Duration max_repair_backoff = absl::Seconds(30);
+  // A server that took a fresh connection (its ok reply) and has not answered the kernel's first
+  // requests (FUSE_INIT, then a GETATTR of the mount's root: an AnswerProbe) within this long has
+  // the connection aborted (the mount fails fast, ENOTCONN, instead of hanging every access) and
+  // a Warning FuseServerNotAnswering posted; the next server gets a fresh connection. Zero: no
+  // deadline (no probe).
+  absl::Duration init_timeout = absl::Seconds(30);
   // Staged volumes that declare their server (volume_context serverImage) get a server pod on
   // this node through this (agent/serverpod); null: no API server, and such volumes are refused.
   ServerPods* server_pods = nullptr;
@@ -85,6 +92,7 @@ class FuseKind final : public VolumeKind {
   bool Audit(const MountTable& table, const state::Volume& v, const std::string& why) override;
   void ContainerRestarted(const state::Volume& v, const std::string& pod_uid, const std::string& container) override;
   void Count(const state::Volume& v, VolumeCounts* counts) const override;
+  void CountKind(VolumeCounts* counts) const override;
 
  private:
   struct Endpoint {
@@ -98,6 +106,11 @@ class FuseKind final : public VolumeKind {
     bool relayed = false;  // its server said it relays (HandoffReply::relayed)
     absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
     std::string recovering_how;
+    // A server took a fresh connection: whether it answers (FUSE_INIT, then a GETATTR) is asked
+    // until options_.init_timeout (init_timer); `answer_server` names that server.
+    std::shared_ptr<AnswerProbe> answer_probe;
+    TimerId init_timer = 0;
+    std::string answer_server;
   };
 
   // Endpoints by volume and mount path.
@@ -114,6 +127,13 @@ class FuseKind final : public VolumeKind {
                      const std::vector<std::string>& mount_options, bool unclaimed_timeout = true);
   void StopEndpoint(const std::string& volume_id, const std::string& path);
   void OnHandoffTimeout(const std::string& volume_id, const std::string& path);
+  // A server took a fresh connection (`server`: who, for messages): ask whether it answers, and
+  // abort the connection if it has not within options_.init_timeout (OnInitTimeout).
+  void StartAnswerProbe(Endpoint& e, const std::string& volume_id, const std::string& path, std::string server);
+  // Forgets the endpoint's probe and its deadline (the probe itself lives until the kernel
+  // completes it, harmlessly).
+  void StopAnswerProbe(Endpoint& e);
+  void OnInitTimeout(const std::string& volume_id, const std::string& path);
   void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
   void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
   // Gives the volume a fresh connection and re-binds its targets.
@@ -142,6 +162,7 @@ class FuseKind final : public VolumeKind {
   std::unordered_set<std::string> repairing_;      // volumes with a repair queued or running
   std::map<std::string, absl::Duration> backoff_;  // per volume, after failed repairs
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
+  int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer
 };
 
 }  // namespace fusekeeper

@@ -260,6 +260,7 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
           backoff_.erase(volume_id);
           auto ep = endpoints_.find(key);
           if (ep != endpoints_.end()) {
+            StopAnswerProbe(ep->second);  // the connection it asked through is gone
             ep->second.endpoint->ReplaceConnection(std::move(r->remounted.fuse_fd));
           } else {
             StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->listen_fd), {}, {},
@@ -410,5 +411,7 @@ void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
   }
   ++c->volumes_by_kind_state[absl::StrCat(kFuseKind, "/", state)];
 }
+
+void FuseKind::CountKind(VolumeCounts* c) const { c->servers_not_answering += servers_not_answering_; }
 
 }  // namespace fusekeeper

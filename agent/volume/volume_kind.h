@@ -113,6 +113,9 @@ struct VolumeCounts {
   int handoffs_waiting = 0;
   int repairs_in_progress = 0;
   int relayed = 0;  // served through a relay that restarts its program (fkserve launch)
+  // Since start: connections aborted because their FUSE server took them and never answered
+  // (FuseKindOptions::init_timeout).
+  int64_t servers_not_answering = 0;
 };
 
 class VolumeKind {
@@ -158,6 +161,8 @@ class VolumeKind {
   virtual void ContainerRestarted(const state::Volume& v, const std::string& pod_uid, const std::string& container) {}
   // Adds the volume to the metrics' counts.
   virtual void Count(const state::Volume& v, VolumeCounts* counts) const;
+  // Adds the kind's own totals (not per volume) to the metrics' counts, once per collection.
+  virtual void CountKind(VolumeCounts* counts) const {}
 
  protected:
   explicit VolumeKind(VolumeHost& host) : host_(host) {}

@@ -54,6 +54,7 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
                              .server_gone_grace = options.server_gone_grace,
                              .repair_backoff = options.repair_backoff,
                              .max_repair_backoff = options.max_repair_backoff,
+                             .init_timeout = options.init_timeout,
                              .server_pods = options.server_pods});
 }
 
@@ -619,6 +620,7 @@ std::map<std::string, std::set<std::string>> VolumeManager::PublishedVolumeDirsB
 VolumeManager::Counts VolumeManager::counts() const {
   Counts c;
   for (const auto& [id, v] : volumes_) KindOf(v).Count(v, &c);
+  for (const auto& [name, kind] : kinds_) kind->CountKind(&c);
   return c;
 }
 

@@ -68,6 +68,9 @@ struct VolumeManagerOptions {
   absl::Duration handoff_timeout = absl::Minutes(5);
   // How long a connected server has to answer the handoff.
   absl::Duration handoff_reply_timeout = absl::Seconds(10);
+  // How long a server that took a fresh connection has to answer the kernel's first requests
+  // (FuseKindOptions::init_timeout); zero: no deadline.
+  absl::Duration init_timeout = absl::Seconds(30);
   // After an agent restart: how long a connecting server has to re-deposit the volume's live
   // connection before it is taken to want a fresh one (HandoffOptions::redeposit_wait).
   absl::Duration redeposit_wait = absl::Seconds(1);

@@ -14,6 +14,8 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -147,6 +149,36 @@ class Reader {
     close(sv[1]);
     *parent_fd = sv[0];
     return pid;
+  }
+  // What a container (or kubelet) gets from stat(2) and statfs(2) of pod target `target`, seen
+  // through a pod view at `view_dir` (an empty directory): the errno of each (0: it answered),
+  // or nullopt if they had not both returned within `limit` (the process is then killed: a wait
+  // on an unanswered FUSE request is killable).
+  static std::optional<std::pair<int, int>> StatInPod(const std::string& target, const std::string& view_dir,
+                                                      std::chrono::milliseconds limit) {
+    int fd = -1;
+    const pid_t pid = ForkReporting(&fd, [&](int out) {
+      EnterPodView(target.c_str(), view_dir.c_str(), out);
+      struct stat st;
+      const int stat_err = stat(view_dir.c_str(), &st) == 0 ? 0 : errno;
+      struct statfs sfs;
+      const int statfs_err = statfs(view_dir.c_str(), &sfs) == 0 ? 0 : errno;
+      char msg[64];
+      const int len = snprintf(msg, sizeof(msg), "%d %d", stat_err, statfs_err);
+      send(out, msg, static_cast<size_t>(len), MSG_NOSIGNAL);
+    });
+    pollfd p{fd, POLLIN, 0};
+    std::optional<std::pair<int, int>> got;
+    char msg[256] = {};
+    if (poll(&p, 1, static_cast<int>(limit.count())) == 1) {
+      const ssize_t n = recv(fd, msg, sizeof(msg) - 1, 0);
+      int a = -1, b = -1;
+      if (n > 0 && msg[0] != '!' && sscanf(msg, "%d %d", &a, &b) == 2) got = std::make_pair(a, b);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    close(fd);
+    return got;
   }
   // The last thing read ("" after an error).
   std::string last() const {

@@ -704,5 +704,140 @@ TEST_F(RecoveryE2ETest, AgentKilledDuringARecoveryFinishesItAfterRestart) {
   EndOtherServer(std::move(server));
 }
 
+// Issue 27 part 3: a server that takes the connection and never answers FUSE_INIT left every
+// access to the mount (a container's, kubelet's stat) waiting forever. With --init_timeout_ms
+// the agent aborts that connection at the deadline: stat and statfs of the target return
+// ENOTCONN, stats say why, a Warning names the server, and the next working server heals the
+// same pod view.
+struct SilentServer {
+  const char* name;
+  std::vector<std::string> mode;  // fkserve's arguments after --socket
+  bool inline_volume;             // a sidecar's inline volume (else staged, a node-level server)
+};
+
+class SilentServerTest : public RecoveryE2ETest, public ::testing::WithParamInterface<SilentServer> {};
+
+TEST_P(SilentServerTest, IsAbortedAtTheInitDeadlineReportedAndHealedByTheNextServer) {
+  const SilentServer& param = GetParam();
+  FakeKube& kube = StartKube();
+  StartAgent({"--kube_secrets_dir=" + secrets_, "--metrics_address=127.0.0.1:0", "--init_timeout_ms=1500"});
+  const std::string id = std::string("silent-") + param.name;
+  const std::string target = Pod("pod-s", id);
+  std::string socket;
+  if (param.inline_volume) {
+    ASSERT_RPC_OK(PublishInline(id, "pod-s", target));
+    socket = PodSocket("pod-s");
+  } else {
+    staging_ = StagingPath(id);
+    ASSERT_RPC_OK(StageFuse(id, staging_));
+    ASSERT_RPC_OK(PublishStaged(id, staging_, target, "web", "pod-s"));
+    socket = StagedSocket(id);
+  }
+  Subprocess* silent = StartServer(socket, param.mode);
+  ASSERT_TRUE(WaitForAgentLog("volume " + id + " handed to")) << silent->Stderr() << agent_->Stderr();
+  // A container's view made while the silent server holds the connection: the one healed below.
+  auto view = PodReader(target, "hello.txt");
+  // What kubelet and containers do first: stat and statfs of the target. They wait for the
+  // deadline, then fail fast, instead of hanging.
+  const std::string stat_view = root_.path() + "/views/stat";
+  fs::create_directories(stat_view);
+  auto st = Reader::StatInPod(target, stat_view, std::chrono::seconds(15));
+  ASSERT_TRUE(st.has_value()) << "stat/statfs of the target still hang\n" << silent->Stderr() << agent_->Stderr();
+  EXPECT_EQ(st->first, ENOTCONN) << strerror(st->first);
+  EXPECT_EQ(st->second, ENOTCONN) << strerror(st->second);
+  // Stats say why.
+  const NodeGetVolumeStatsResponse stats = Stats(id, target);
+  EXPECT_TRUE(stats.volume_condition().abnormal());
+  EXPECT_TRUE(absl::StrContains(stats.volume_condition().message(), "did not answer the kernel's first requests"))
+      << stats.volume_condition().message();
+  EXPECT_TRUE(absl::StrContains(stats.volume_condition().message(), "fkserve")) << "names the server: "
+                                                                                << stats.volume_condition().message();
+  // A Warning: on the API server for a pod the volume records by name (staged), in the log for
+  // every volume.
+  ASSERT_TRUE(WaitForAgentLog("FuseServerNotAnswering: its FUSE server (fkserve")) << agent_->Stderr();
+  if (!param.inline_volume) {
+    EXPECT_TRUE(kube.WaitUntil([&] {
+      for (const auto& line : kube.Log()) {
+        if (absl::StrContains(line, "\\\"reason\\\":\\\"FuseServerNotAnswering") &&
+            absl::StrContains(line, "\\\"type\\\":\\\"Warning")) {
+          return true;
+        }
+      }
+      return false;
+    })) << kube.Diagnostics() << agent_->Stderr();
+  }
+  const std::string log = agent_->Stderr();
+  const size_t at = log.find("(port ");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_TRUE(absl::StrContains(HttpGet(std::stoi(log.substr(at + 6)), "/metrics"),
+                                "fusekeeper_fuse_servers_not_answering_total 1"));
+  // A server that answers heals the mount, in the view made before.
+  Subprocess* good = StartServer(socket);
+  ASSERT_TRUE(view->WaitForReadsOf("hello from the export\n")) << view->setup_error() << good->Stderr()
+                                                               << agent_->Stderr();
+  view->Stop();
+  auto healed = Reader::StatInPod(target, stat_view, std::chrono::seconds(15));
+  ASSERT_TRUE(healed.has_value());
+  EXPECT_EQ(healed->first, 0) << strerror(healed->first);
+  EXPECT_EQ(healed->second, 0) << strerror(healed->second);
+  EXPECT_FALSE(Stats(id, target).volume_condition().abnormal()) << Stats(id, target).volume_condition().message();
+  ASSERT_RPC_OK(Unpublish(id, target));
+  if (!param.inline_volume) ASSERT_RPC_OK(Unstage(id, staging_));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, SilentServerTest,
+    ::testing::Values(
+        // Relayed: the launcher relays the connection to a program that never reads it.
+        SilentServer{"relayed", {"launch", "--", "/bin/sh", "-c", "exec sleep 3600", "/dev/fd/{fd}"}, false},
+        // Direct: the program holds the connection itself (as an inline volume's sidecar).
+        SilentServer{"direct", {"--direct", "launch", "--", "/bin/sh", "-c", "exec sleep 3600", "/dev/fd/{fd}"}, true},
+        // A program given a directory that never mounts it (never asks fkserve's fusermount).
+        SilentServer{"never_mounts", {"launch", "--", "/bin/sh", "-c", "exec sleep 3600", "{mountpoint}"}, false}),
+    [](const ::testing::TestParamInfo<SilentServer>& info) { return std::string(info.param.name); });
+
+// The deadline's other side: a server that answers late but within it is left alone, and a
+// volume unstaged while its server has not answered yet is simply gone (nothing fires later).
+// Volume "barrier", whose silent server connects last, is aborted at its deadline: by then the
+// others' deadlines have passed too.
+TEST_F(RecoveryE2ETest, TheInitDeadlineSparesALateAnswerAndAVolumeUnstagedBeforeIt) {
+  StartAgent({"--metrics_address=127.0.0.1:0", "--init_timeout_ms=4000"});
+  const std::string hello = root_.path() + "/hello_fuse";
+  fs::copy_file(RunfilePath("tests/testing/hello_fuse"), hello);
+  chmod(hello.c_str(), 0755);
+  auto stage = [&](const std::string& id) {
+    const std::string staging = StagingPath(id);
+    EXPECT_TRUE(StageFuse(id, staging).ok());
+    return staging;
+  };
+  const std::string late = stage("late"), gone = stage("gone"), barrier = stage("barrier");
+  // Answers FUSE_INIT a second after it took the connection.
+  StartServer(StagedSocket("late"), {"launch", "--", "/bin/sh", "-c", "sleep 1; exec " + hello + " \"$0\" late", "/dev/fd/{fd}"});
+  StartServer(StagedSocket("gone"), {"launch", "--", "/bin/sh", "-c", "exec sleep 3600", "/dev/fd/{fd}"});
+  ASSERT_TRUE(WaitForAgentLog("volume gone handed to")) << agent_->Stderr();
+  ASSERT_RPC_OK(Unstage("gone", gone));
+  EXPECT_TRUE(absl::StrContains(agent_->Stderr(), "no longer waiting for " + gone)) << agent_->Stderr();
+  ASSERT_TRUE(WaitForAgentLog("volume late handed to")) << agent_->Stderr();
+  StartServer(StagedSocket("barrier"), {"launch", "--", "/bin/sh", "-c", "exec sleep 3600", "/dev/fd/{fd}"});
+  ASSERT_TRUE(WaitForAgentLog("volume late: its FUSE server (fkserve")) << agent_->Stderr();
+  ASSERT_TRUE(WaitForAgentLog("FuseServerNotAnswering")) << agent_->Stderr();
+  const std::string log = agent_->Stderr();
+  EXPECT_TRUE(absl::StrContains(log, "FuseServerNotAnswering: its FUSE server (fkserve")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "took the connection of volume barrier")) << log;
+  EXPECT_EQ(AgentLogCount("FuseServerNotAnswering"), 1) << log;
+  EXPECT_TRUE(absl::StrContains(log, "volume late: its FUSE server (fkserve")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "answered the kernel's first requests")) << log;
+  auto read = WithDeadline([&] { return ReadFile(late + "/hello"); });
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(*read, "late");
+  EXPECT_FALSE(Stats("late", late).volume_condition().abnormal());
+  const size_t at = log.find("(port ");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_TRUE(absl::StrContains(HttpGet(std::stoi(log.substr(at + 6)), "/metrics"),
+                                "fusekeeper_fuse_servers_not_answering_total 1"));
+  ASSERT_RPC_OK(Unstage("late", late));
+  ASSERT_RPC_OK(Unstage("barrier", barrier));
+}
+
 }  // namespace
 }  // namespace fusekeeper
