@@ -381,6 +381,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
   AgentLink* link_for_callbacks = nullptr;
   std::mutex link_mu;
   std::string last_death;  // guarded by link_mu
+  std::string killed_because;  // the relay found the instance not answering (guarded by link_mu)
   std::atomic<bool> connection_ended{false};
   std::string adopted;  // relayed, carrying on from a dead launcher: what was restored (else "")
   std::unique_ptr<relay::Relay> relay;
@@ -409,6 +410,22 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
       fprintf(stderr, "fkserve: %s\n", text.c_str());
       if (link_for_callbacks != nullptr) {
         link_for_callbacks->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+      }
+    };
+    cb.program_unresponsive = [&, name](const std::string& why, bool initialized) {
+      // Every process of this instance (the launcher is a subreaper: what it left running too).
+      // The next instance is started only once they have all ended, so these are its.
+      const std::set<pid_t> processes = Children();
+      std::lock_guard<std::mutex> lock(link_mu);
+      killed_because = why;
+      const std::string text = absl::StrCat("relay: ", name, " ", why, "; killing it (", processes.size(),
+                                            " process(es))");
+      fprintf(stderr, "fkserve: %s\n", text.c_str());
+      for (pid_t pid : processes) kill(pid, SIGKILL);
+      // One that had served is restarted: the agent hears why now (an Event). One that never
+      // served ends the launcher, whose report says why.
+      if (link_for_callbacks != nullptr && initialized) {
+        link_for_callbacks->Notice(absl::StrCat(text, ": the relay restarts it and resends what it had not answered"));
       }
     };
     const bool adopting = relay_state.valid();
@@ -445,6 +462,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
                                           : ""));
     }
     relay = std::move(*r);
+    // An instance that never answers FUSE_INIT, or stops answering, is killed
+    // (cb.program_unresponsive).
+    relay->WatchPrograms({.init_timeout = o.init_timeout, .stall = o.program_stall});
   }
   auto connection_for_instance = [&](UniqueFd* holder) -> int {
     if (!relay) return fuse_fd.get();
@@ -489,6 +509,13 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
       end = WaitForInstance(name, inst.child);
       inst.service->OnProblem(nullptr);
     }
+    // Killed for not answering: said so, rather than only the signal.
+    std::string killed;
+    {
+      std::lock_guard<std::mutex> lock(link_mu);
+      killed.swap(killed_because);
+    }
+    if (!killed.empty()) end.why = absl::StrCat(name, " ", killed, "; fkserve killed it (", end.why, ")");
     if (!relay || stop_requested || connection_ended || pending_stop_signal != 0) break;
     // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
     // its end is reported at once, as for a direct one.
@@ -510,7 +537,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     const std::string last = running ? inst.tail->Last() : "";
     {
       std::lock_guard<std::mutex> lock(link_mu);
-      last_death = last.empty() ? Describe(end.status) : absl::StrCat(Describe(end.status), " (its last words: ", last, ")");
+      const std::string how = killed.empty() ? Describe(end.status) : absl::StrCat(killed, ", so fkserve killed it");
+      last_death = last.empty() ? how : absl::StrCat(how, " (its last words: ", last, ")");
     }
     fprintf(stderr, "fkserve: %s; the relay keeps the connection: restarting it%s\n", end.why.c_str(),
             delay.count() > 0 ? absl::StrCat(" in ", delay.count(), " ms").c_str() : "");

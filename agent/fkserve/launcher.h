@@ -64,6 +64,15 @@ struct LaunchOptions {
   // (relay/durability.h): "write", "sync", "close", "unmount", or "auto" (known programs by
   // name, else "sync"). CheckDurability tells a bad value.
   std::string durability = "auto";
+  // Relayed: an instance that has not answered the kernel's FUSE_INIT this long after its start
+  // is killed (every process of it) and reported as a program that ended before serving (with
+  // its last words). Zero: no bound. Below the agent's --init_timeout_ms, so the launcher says
+  // why first.
+  std::chrono::milliseconds init_timeout{20000};
+  // Relayed: an instance with requests in flight (lock waits aside) that sends nothing for this
+  // long is killed; the relay restarts it and resends them (a request in flight at three deaths
+  // in a row fails with EIO), and the agent is told why (a notice: an Event). Zero: no bound.
+  std::chrono::milliseconds program_stall{120000};
 };
 
 // OK, or INVALID_ARGUMENT naming the accepted values.

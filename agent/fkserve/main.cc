@@ -74,6 +74,14 @@ DEFINE_string(durability, "auto",
               "answered since is written again into the next instance), close (after close: open files that "
               "were written get EIO at their next fsync/close), unmount (the same, and files closed since the "
               "mount are lost), auto (known programs by name, else sync)");
+DEFINE_int32(init_timeout_ms, 20000,
+             "launch (relayed): a program that has not answered the kernel's FUSE_INIT this long after its "
+             "start is killed (every process of it) and reported to the agent with its last words, as one "
+             "that ended before serving; below the agent's --init_timeout_ms (30 s). 0: no bound");
+DEFINE_int32(program_stall_ms, 120000,
+             "launch (relayed): a program with requests in flight (lock waits aside) that sends nothing for "
+             "this long is killed; the relay restarts it and resends them, and the agent is told why (an "
+             "Event). 0: no bound");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "
@@ -157,6 +165,9 @@ int main(int argc, char** argv) {
   if (FLAGS_socket.empty()) return Fail(2, "--socket is required");
   if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
   if (auto s = fusekeeper::CheckDurability(FLAGS_durability); !s.ok()) return Fail(2, std::string(s.message()));
+  if (FLAGS_init_timeout_ms < 0 || FLAGS_program_stall_ms < 0) {
+    return Fail(2, "--init_timeout_ms and --program_stall_ms must be >= 0 (0: no bound)");
+  }
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
   sockaddr_un addr{};
@@ -273,6 +284,8 @@ int main(int argc, char** argv) {
     lo.durability = FLAGS_durability;
     lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);
     lo.drain_ms = config->drain_ms;
+    lo.init_timeout = std::chrono::milliseconds(FLAGS_init_timeout_ms);
+    lo.program_stall = std::chrono::milliseconds(FLAGS_program_stall_ms);
     return fusekeeper::Launch(std::move(sock), std::move(msg->fd),
                               config->live ? std::move(msg->fd2) : UniqueFd(), lo);
   }

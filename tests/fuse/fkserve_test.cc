@@ -345,6 +345,61 @@ TEST_F(FkserveTest, ARestartThatCannotStartTheProgramIsReportedAsSuch) {
   EXPECT_EQ(why.message().find("exited with status 0"), std::string::npos) << why;
 }
 
+// Issue 27 part 3: relayed, a program that takes the connection and never answers the kernel's
+// FUSE_INIT (here it never reads its /dev/fd at all, and leaves a second process behind) kept
+// the launcher and every access to the mount waiting forever. Now, past --init_timeout_ms, every
+// process of it is killed and its end is reported as a program's that ended before serving.
+TEST_F(FkserveTest, ARelayedProgramThatNeverAnswersInitIsKilledAndReported) {
+  MountAndOffer({.volume_id = "v-silent"});
+  StartServer({"--init_timeout_ms=300", "launch", "--", "/bin/sh", "-c",
+               "(sleep 3600 &); echo waiting for nothing >&2; exec sleep 3600", "/dev/fd/{fd}"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  auto status = server_->Wait(std::chrono::milliseconds(20000));
+  ASSERT_TRUE(status.has_value()) << "the launcher still waits for its silent program\n" << server_->Stderr();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 128 + SIGKILL) << *status << server_->Stderr();
+  auto gone = gone_.get_future();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  const absl::Status why = gone.get();
+  EXPECT_NE(why.message().find("sh did not answer the kernel's FUSE_INIT within 300 ms of its start; fkserve killed it"),
+            std::string::npos) << why;
+  EXPECT_NE(why.message().find("its last words: waiting for nothing"), std::string::npos) << why;
+  EXPECT_NE(server_->Stderr().find("killing it (2 process(es))"), std::string::npos) << server_->Stderr();
+}
+
+// Relayed, a program that served and then stops answering altogether (stopped here with
+// SIGSTOP) while a request waits on it is killed after --program_stall_ms: the relay restarts it
+// and resends the request, which is answered; the agent is told why.
+TEST_F(FkserveTest, ARelayedProgramThatStopsAnsweringIsKilledAndRestartedAndItsRequestAnswered) {
+  MountAndOffer({.volume_id = "v-stall"});
+  StartServer({"--program_stall_ms=500", "launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}",
+               "x\n"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
+  {
+    std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                           "/children");
+    pid_t program = 0;
+    ASSERT_TRUE(children >> program) << "the launcher's program";
+    ASSERT_EQ(kill(program, SIGSTOP), 0);
+  }
+  const std::string file = mnt_ + "/hello";
+  auto answered = WithDeadline([&] {
+    struct statx stx;
+    return statx(AT_FDCWD, file.c_str(), AT_STATX_FORCE_SYNC, STATX_BASIC_STATS, &stx) == 0 ? 0 : errno;
+  });
+  ASSERT_TRUE(answered.has_value()) << "the request still waits on the stopped program\n" << server_->Stderr();
+  EXPECT_EQ(*answered, 0) << strerror(*answered);
+  auto notice = notice_.get_future();
+  ASSERT_EQ(notice.wait_for(kTestDeadline), std::future_status::ready) << server_->Stderr();
+  const std::string text = notice.get();
+  // (The statx's GETATTR, and whatever else the kernel had sent meanwhile: a RELEASE of the read.)
+  EXPECT_NE(text.find("stopped answering: "), std::string::npos) << text;
+  EXPECT_NE(text.find(" request(s) in flight to it and no message from it for"), std::string::npos) << text;
+  EXPECT_NE(text.find("the relay restarts it and resends"), std::string::npos) << text;
+  EXPECT_EQ(server_->CountInStderr("restarting it"), 1) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
+}
+
 TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {
   MountAndOffer({.volume_id = "v-missing"});
   StartServer({"launch", "--", "/nonexistent/fuse-program", "/dev/fd/{fd}"});

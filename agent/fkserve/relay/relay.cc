@@ -7,8 +7,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
 #include <deque>
 #include <future>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +67,15 @@ struct Relay::LoopState final : RelayOutput {
   LoopClock::time_point started;
   bool awaiting_first_answer = false;
   bool ended = false;
+  // Whether the current instance answers (ProgramLimits): its last message, since when requests
+  // have been in flight, the lock waits among them (a lock wait may last), and whether it was
+  // reported already.
+  ProgramLimits limits;
+  LoopClock::time_point last_from_program;
+  LoopClock::time_point busy_since;
+  bool busy = false;
+  bool unresponsive = false;
+  std::unordered_set<uint64_t> lock_waits;
 
   void Log(const std::string& line) override {
     if (cb.log) cb.log(line);
@@ -121,6 +132,10 @@ struct Relay::LoopState final : RelayOutput {
       const ssize_t n = read(kernel.get(), kbuf.data(), kbuf.size());
       if (n > 0) {
         kernel_errors = 0;
+        if (static_cast<size_t>(n) >= kInHeader) {
+          const fuse_in_header h = InHeader(kbuf.data());
+          if (h.opcode == FUSE_SETLKW) lock_waits.insert(h.unique);
+        }
         core->FromKernel(kbuf.data(), static_cast<size_t>(n));
         AfterEvent();
         continue;
@@ -200,6 +215,10 @@ struct Relay::LoopState final : RelayOutput {
         Retire(c);
         return;
       }
+      if (c == conn) last_from_program = LoopClock::now();
+      if (static_cast<size_t>(n) >= kOutHeader) {
+        lock_waits.erase(OutHeader(pbuf.data()).unique);
+      }
       const bool truncated = static_cast<size_t>(n) > pbuf.size();
       core->FromProgram(pbuf.data(), truncated ? pbuf.size() : static_cast<size_t>(n), truncated);
       AfterEvent();
@@ -207,6 +226,10 @@ struct Relay::LoopState final : RelayOutput {
   }
 
   void AfterEvent() {
+    const bool now_busy = core->requests_in_flight() > 0;
+    if (now_busy && !busy) busy_since = LoopClock::now();
+    busy = now_busy;
+    if (!now_busy) lock_waits.clear();
     if (awaiting_first_answer && core->stats().answers_since_start > 0) {
       awaiting_first_answer = false;
       if (cb.first_answer) cb.first_answer(LoopClock::now() - started, core->stats());
@@ -233,10 +256,44 @@ struct Relay::LoopState final : RelayOutput {
     c->fd = std::move(ours);
     conn = c;
     started = LoopClock::now();
+    last_from_program = started;
+    unresponsive = false;
     awaiting_first_answer = true;
     core->ProgramStarted();
     ArmProgramPoll(c);
     AfterEvent();
+  }
+
+  // Looks at the current instance every `tick` while the connection lasts.
+  void Watch(std::chrono::milliseconds tick) {
+    if (ended) return;
+    CheckProgram();
+    loop->AddTimer(tick, [this, tick] { Watch(tick); });
+  }
+
+  void CheckProgram() {
+    if (conn == nullptr || conn->retired || unresponsive) return;
+    using std::chrono::duration_cast;
+    using std::chrono::milliseconds;
+    const LoopClock::time_point now = LoopClock::now();
+    std::string why;
+    if (!core->initialized()) {
+      if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) {
+        why = absl::StrCat("did not answer the kernel's FUSE_INIT within ", limits.init_timeout.count(),
+                           " ms of its start");
+      }
+    } else if (limits.stall.count() > 0 && busy && core->requests_in_flight() > lock_waits.size()) {
+      const LoopClock::time_point quiet_since = std::max(last_from_program, busy_since);
+      if (now - quiet_since >= limits.stall) {
+        why = absl::StrCat("stopped answering: ", core->requests_in_flight(), " request(s) in flight to it and no message from it for ",
+                           duration_cast<milliseconds>(now - quiet_since).count(), " ms (--program_stall_ms=",
+                           limits.stall.count(), ")");
+      }
+    }
+    if (why.empty()) return;
+    unresponsive = true;
+    Log(absl::StrCat("relay: the program ", why));
+    if (cb.program_unresponsive) cb.program_unresponsive(why, core->initialized());
   }
 };
 
@@ -355,6 +412,26 @@ absl::StatusOr<UniqueFd> Relay::NewInstanceSocket() {
   }
   attached.get_future().wait();
   return theirs;
+}
+
+void Relay::WatchPrograms(ProgramLimits limits) {
+  const std::chrono::milliseconds shortest =
+      limits.init_timeout.count() > 0 && limits.stall.count() > 0 ? std::min(limits.init_timeout, limits.stall)
+                                                                  : std::max(limits.init_timeout, limits.stall);
+  if (shortest.count() <= 0) return;
+  // Late by at most an eighth of the bound (and at most a second); a look costs a few loads.
+  const std::chrono::milliseconds tick =
+      std::clamp(shortest / 8, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
+  std::promise<void> taken;
+  LoopState* st = state_.get();
+  if (!st->loop->Post([st, limits, tick, &taken] {
+        st->limits = limits;
+        st->Watch(tick);
+        taken.set_value();
+      })) {
+    return;
+  }
+  taken.get_future().wait();
 }
 
 RelayStats Relay::Snapshot() {

@@ -34,6 +34,22 @@ struct RelayCallbacks {
   std::function<void()> connection_ended;
   // The first answer of a new instance reached the kernel, `since_start` after it was attached.
   std::function<void(std::chrono::nanoseconds since_start, const RelayStats&)> first_answer;
+  // The current instance is not answering (ProgramLimits): `why` says how; `initialized`: the
+  // kernel's FUSE_INIT had been answered (by this instance or an earlier one). Its owner is to
+  // end it (every process of it); the relay then sends what it had not answered to the next
+  // one. Once per instance.
+  std::function<void(const std::string& why, bool initialized)> program_unresponsive;
+};
+
+// When an instance counts as not answering (RelayCallbacks::program_unresponsive). Zero: no
+// bound.
+struct ProgramLimits {
+  // The kernel's FUSE_INIT not answered this long after the instance was attached (before any
+  // instance has answered it: later instances get the relay's copy, and fall under the stall).
+  std::chrono::milliseconds init_timeout{0};
+  // Requests in flight to the instance (lock waits, FUSE_SETLKW, aside: those may last) and no
+  // message from it for this long, once the kernel's FUSE_INIT was answered.
+  std::chrono::milliseconds stall{0};
 };
 
 class Relay {
@@ -55,6 +71,10 @@ class Relay {
   // relay's end is attached now (the instance before it, if any, is gone); the returned end
   // (close-on-exec) is the program's.
   absl::StatusOr<UniqueFd> NewInstanceSocket();
+  // Blocking (waits for the loop to take it). From now on instances that do not answer within
+  // `limits` are reported (RelayCallbacks::program_unresponsive). Before the first
+  // NewInstanceSocket.
+  void WatchPrograms(ProgramLimits limits);
   // Blocking. The core's figures now.
   RelayStats Snapshot();
   size_t max_message_bytes() const { return max_message_; }
