@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/volume/pod_app.h"
 #include "tests/volume/pod_reader.h"
 
 namespace fusekeeper {
@@ -52,53 +53,19 @@ class PodWorkload {
 
   // `uid`: who the app runs as once its view is made (an unprivileged program cannot give files
   // to root).
-  PodWorkload(const std::string& target, const std::string& view_dir, bool writable, uid_t uid) {
-    pid_ = Reader::ForkReporting(&fd_, [&](int out) {
-      Reader::EnterPodView(target.c_str(), view_dir.c_str(), out);
-      if (setresgid(uid, uid, uid) != 0 || setresuid(uid, uid, uid) != 0) Report(out, Err("setresuid")), _exit(1);
-      Run(view_dir, writable, out);
-    });
-    thread_ = std::thread([this] { Collect(); });
-  }
-  ~PodWorkload() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    shutdown(fd_, SHUT_RDWR);
-    if (thread_.joinable()) thread_.join();
-    close(fd_);
-  }
+  PodWorkload(const std::string& target, const std::string& view_dir, bool writable, uid_t uid)
+      : app_(target, view_dir, uid, [writable](const std::string& v, int out) { Run(v, writable, out); }) {}
 
   // Blocking: until `n` more steps have completed (false if the deadline passed first).
-  bool WaitForSteps(int64_t n) {
-    std::unique_lock<std::mutex> lock(mu_);
-    const int64_t want = steps_ + n;
-    return cv_.wait_for(lock, kReaderDeadline, [&] { return steps_ >= want || ended_; }) && steps_ >= want;
-  }
+  bool WaitForSteps(int64_t n) { return app_.WaitForSteps(n); }
   // Blocking: stops the workload, which checks what it wrote, byte for byte.
-  bool Finish() {
-    (void)!send(fd_, "s", 1, MSG_NOSIGNAL);
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, kReaderDeadline, [&] { return ended_; });
-    return finished_ok_;
-  }
-  int64_t steps() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return steps_;
-  }
-  std::vector<std::string> errors() {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::string> out = errors_;
-    if (more_errors_ > 0) out.push_back("and " + std::to_string(more_errors_) + " more");
-    return out;
-  }
+  bool Finish() { return app_.Ask('s'); }
+  int64_t steps() { return app_.steps(); }
+  std::vector<std::string> errors() { return app_.errors(); }
 
  private:
-  static void Report(int out, const std::string& m) {
-    if (send(out, m.data(), m.size(), MSG_NOSIGNAL) < 0) _exit(0);
-  }
-  static std::string Err(const std::string& what) { return "-" + what + ": " + strerror(errno); }
+  static void Report(int out, const std::string& m) { PodApp::Report(out, m); }
+  static std::string Err(const std::string& what) { return PodApp::Err(what); }
 
   [[noreturn]] static void Run(const std::string& v, bool writable, int out) {
     const int seq = open((v + "/seq.bin").c_str(), O_RDONLY | O_CLOEXEC);
@@ -194,8 +161,7 @@ class PodWorkload {
         }
       }
       if (ok) Report(out, "+");
-      char c;
-      if (recv(out, &c, 1, MSG_DONTWAIT) == 1) {
+      if (PodApp::NextCommand(out) != 0) {
         // Finish: what was written reads back byte for byte, through the files held open.
         bool final_ok = true;
         if (writable) {
@@ -251,37 +217,7 @@ class PodWorkload {
     }
   }
 
-  void Collect() {
-    char msg[512];
-    ssize_t n;
-    while ((n = recv(fd_, msg, sizeof(msg), 0)) > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (msg[0] == '+') {
-        ++steps_;
-      } else if (msg[0] == '=') {
-        finished_ok_ = std::string(msg, static_cast<size_t>(n)) == "=ok";
-        ended_ = true;
-      } else if (errors_.size() < 20) {  // the first ones say what went wrong
-        errors_.emplace_back(msg + 1, static_cast<size_t>(n) - 1);
-      } else {
-        ++more_errors_;
-      }
-      cv_.notify_all();
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    ended_ = true;
-    cv_.notify_all();
-  }
-
-  pid_t pid_ = -1;
-  int fd_ = -1;
-  std::thread thread_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int64_t steps_ = 0;
-  bool ended_ = false, finished_ok_ = false;
-  std::vector<std::string> errors_;
-  int64_t more_errors_ = 0;
+  PodApp app_;
 };
 
 }  // namespace fusekeeper

@@ -196,6 +196,12 @@ void RelayCore::Dispatch(uint64_t unique) {
       Fail(unique, EBADF, absl::StrCat(OpName(r.opcode), " names file handle ", kfh, ", which the relay never issued"));
       return;
     }
+    if (h->second.maybe_lost && r.opcode == FUSE_READ) {
+      // The program answers it from what it has, which may not be what was written.
+      Fail(unique, EIO, absl::StrCat("file handle ", kfh, ": what was written to the file may be gone with the "
+                                     "program that died (its next fsync or close says so)"));
+      return;
+    }
     if (h->second.instance == instance_) {
       Handle& hd = h->second;
       if (hd.maybe_lost && (r.opcode == FUSE_FSYNC || r.opcode == FUSE_FLUSH)) {
@@ -745,7 +751,8 @@ void RelayCore::ApplyDeath() {
   for (auto& [kfh, h] : handles_) {
     bool gone = false;
     if (durability_ == Durability::kAtClose || durability_ == Durability::kAtUnmount) {
-      gone = h.written;
+      // Every handle of a file written through any of them: a reader's too.
+      for (const auto& [other_fh, other] : handles_) gone = gone || (other.kid == h.kid && other.written);
     } else if (durability_ == Durability::kAtSync) {
       const NodeChanges* n = changes_.Find(h.kid);
       gone = n != nullptr && n->incomplete;
