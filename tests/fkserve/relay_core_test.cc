@@ -11,6 +11,7 @@
 #include <memory>
 #include <random>
 
+#include "absl/strings/str_join.h"
 #include "agent/base/unique_fd.h"
 #include "gtest/gtest.h"
 #include "tests/fkserve/fake_program.h"
@@ -318,6 +319,31 @@ TEST_F(RelayCoreTest, WorkTheDeadProgramDidIsNotDoneTwice) {
   EXPECT_EQ(ErrorOf(ReplyTo(rename)), 0);
   EXPECT_EQ(core_.stats().done_by_dead, 3u);
   EXPECT_EQ(Lookup(FUSE_ROOT_ID, "dst") != 0, true);
+}
+
+// A RENAME the program did just before it died (its answer lost), and a request on the renamed
+// file queued behind it: the file must not be looked up by its old name before the RENAME is
+// decided (the old name is gone, and the file would be lost for good: ESTALE on every open
+// handle). Seen with s3fs under load: a launcher killed mid-rename left a held file stale.
+TEST_F(RelayCoreTest, ARenameTheDeadProgramDidIsDecidedBeforeTheFileIsLookedUpAgain) {
+  disk_.Make(1, "a", false, "renamed");
+  Start();
+  Init();
+  const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
+  const uint64_t fh = Open(ka, O_RDONLY);
+  fuse_rename_in in{};
+  in.newdir = FUSE_ROOT_ID;
+  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, Bytes(in) + std::string("a\0b\0", 4));
+  DoWorkThenKill();  // renamed on the disk; the answer never got out
+  const uint64_t getattr = Send(FUSE_GETATTR, ka, Bytes(fuse_getattr_in{}));
+  Start();
+  Pump();
+  ASSERT_FALSE(ReplyTo(rename).empty());
+  EXPECT_EQ(ErrorOf(ReplyTo(rename)), 0) << "done by the dead instance";
+  ASSERT_FALSE(ReplyTo(getattr).empty());
+  EXPECT_EQ(ErrorOf(ReplyTo(getattr)), 0) << "the file is found under its new name";
+  EXPECT_EQ(Read(ka, fh), "renamed");
+  EXPECT_EQ(core_.stats().restore_failures, 0u) << absl::StrJoin(wires_.logs, "\n");
 }
 
 // A program that keeps written data until it syncs (s3fs) dies after answering WRITEs: the

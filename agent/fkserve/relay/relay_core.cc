@@ -164,11 +164,21 @@ void RelayCore::Dispatch(uint64_t unique) {
     }
     return;
   }
-  r.state = State::kWaiting;
   if (r.check) {
+    r.state = State::kWaiting;
+    checking_.insert(unique);
     Check(r, unique);
     return;
   }
+  if (!checking_.empty() && !(checking_.size() == 1 && checking_.count(unique) != 0)) {
+    // A request the dead instance may have done (a RENAME, an UNLINK) is being looked at: until
+    // it is decided, a path in the relay's table may be one the program no longer has, and a
+    // node resolved by it now would be lost for good.
+    r.state = State::kWaiting;
+    after_checks_.push_back(unique);
+    return;
+  }
+  r.state = State::kWaiting;
   // Every node it names must be known to the current instance.
   for (uint64_t kid : {UsesHeaderNode(r.opcode) ? r.node : 0, r.node2}) {
     if (kid == 0) continue;
@@ -276,7 +286,16 @@ void RelayCore::Send(Request& r, uint64_t unique) {
   out_->ToProgram(iov, r.msg.size() > n ? 2 : 1);
 }
 
+void RelayCore::Checked(uint64_t unique) {
+  if (checking_.erase(unique) == 0 || !checking_.empty()) return;
+  std::vector<uint64_t> waiting = std::move(after_checks_);
+  after_checks_.clear();
+  std::sort(waiting.begin(), waiting.end());
+  for (uint64_t u : waiting) Dispatch(u);
+}
+
 void RelayCore::Complete(uint64_t unique) {
+  Checked(unique);
   auto it = requests_.find(unique);
   if (it == requests_.end()) return;
   Request& r = it->second;
@@ -502,6 +521,7 @@ void RelayCore::Check(Request& r, uint64_t unique) {
   if (r.opcode == FUSE_TMPFILE) {  // no name to look at; a second unnamed file is harmless
     r.check = false;
     Dispatch(unique);
+    Checked(unique);
     return;
   }
   Node* dir = nodes_.Find(r.node);
@@ -559,6 +579,7 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
       }
       give_back();
       Dispatch(unique);
+      Checked(unique);  // after its effect on the node table, if any
       return;
     case FUSE_MKDIR:
     case FUSE_MKNOD:
@@ -579,6 +600,7 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
         return;
       }
       Dispatch(unique);
+      Checked(unique);  // after its effect on the node table, if any
       return;
     case FUSE_CREATE:
       if (exists) {
@@ -587,10 +609,12 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
         return;
       }
       Dispatch(unique);
+      Checked(unique);  // after its effect on the node table, if any
       return;
     default:
       give_back();
       Dispatch(unique);
+      Checked(unique);  // after its effect on the node table, if any
       return;
   }
 }
@@ -692,6 +716,8 @@ void RelayCore::ProgramGone() {
   own_.clear();
   node_waiters_.clear();
   replays_.clear();
+  checking_.clear();
+  after_checks_.clear();  // their requests go back to the queue below
   nodes_.NewInstance();
   for (auto& [kfh, h] : handles_) {
     h.opening = false;

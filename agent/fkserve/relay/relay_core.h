@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -168,6 +169,8 @@ class RelayCore {
   void Dispatch(uint64_t unique);
   void Send(Request& r, uint64_t unique);
   void Check(Request& r, uint64_t unique);
+  // The request is no longer being checked: once none is, the requests held meanwhile go on.
+  void Checked(uint64_t unique);
   void OnCheckReply(uint64_t unique, const char* msg, size_t len);
   void Complete(uint64_t unique);
   void EraseHandle(uint64_t kfh);
@@ -234,6 +237,8 @@ class RelayCore {
     size_t next = 0;    // the next change to send
   };
   std::unordered_map<uint64_t, Replay> replays_;  // by kid: files being given their changes again
+  std::set<uint64_t> checking_;        // requests being checked (RelayCore::Check)
+  std::vector<uint64_t> after_checks_;  // requests held until no request is being checked
   std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
   uint64_t instance_ = 0;  // current instance number (1 = first)
   bool attached_ = false;
