@@ -346,6 +346,33 @@ TEST_F(RelayCoreTest, ARenameTheDeadProgramDidIsDecidedBeforeTheFileIsLookedUpAg
   EXPECT_EQ(core_.stats().restore_failures, 0u) << absl::StrJoin(wires_.logs, "\n");
 }
 
+// The same with changes the program kept unsynced: they are written again into the file under
+// its new name, once the RENAME is decided (before, the replay looked it up by its old name, gave
+// up on it, and every held handle got ESTALE; seen with sshfs when the launcher was killed).
+TEST_F(RelayCoreTest, KeptChangesOfAFileTheDeadProgramRenamedAreWrittenUnderItsNewName) {
+  const uint64_t ino = disk_.Make(1, "a", false, "");
+  Start();
+  prog_->keeps_writes_until_sync = true;
+  Init();
+  const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
+  const uint64_t fh = Open(ka, O_RDWR);
+  fuse_write_in w{};
+  w.fh = fh;
+  w.size = 4;
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, ka, Bytes(w) + "kept")), 0);
+  fuse_rename_in in{};
+  in.newdir = FUSE_ROOT_ID;
+  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, Bytes(in) + std::string("a\0b\0", 4));
+  DoWorkThenKill();  // renamed (its data still only in the dead instance); the answer never got out
+  Start();
+  prog_->keeps_writes_until_sync = true;
+  Pump();
+  EXPECT_EQ(ErrorOf(ReplyTo(rename)), 0);
+  EXPECT_EQ(disk_.inodes[ino].data, "kept") << "written again and flushed under its new name";
+  EXPECT_EQ(Read(ka, fh), "kept");
+  EXPECT_EQ(core_.stats().files_lost, 0u) << absl::StrJoin(wires_.logs, "\n");
+}
+
 // A program that keeps written data until it syncs (s3fs) dies after answering WRITEs: the
 // relay writes them again into the reopened handle, so the app's fsync after the restart makes
 // them durable instead of succeeding over lost data.

@@ -170,10 +170,11 @@ void RelayCore::Dispatch(uint64_t unique) {
     Check(r, unique);
     return;
   }
-  if (!checking_.empty() && !(checking_.size() == 1 && checking_.count(unique) != 0)) {
+  if (holding_ || (!checking_.empty() && !(checking_.size() == 1 && checking_.count(unique) != 0))) {
     // A request the dead instance may have done (a RENAME, an UNLINK) is being looked at: until
     // it is decided, a path in the relay's table may be one the program no longer has, and a
-    // node resolved by it now would be lost for good.
+    // node resolved by it now would be lost for good. And a new instance's kept changes are
+    // written again (after those checks) before anything else reaches it.
     r.state = State::kWaiting;
     after_checks_.push_back(unique);
     return;
@@ -287,7 +288,20 @@ void RelayCore::Send(Request& r, uint64_t unique) {
 }
 
 void RelayCore::Checked(uint64_t unique) {
-  if (checking_.erase(unique) == 0 || !checking_.empty()) return;
+  if (checking_.erase(unique) != 0) MaybeRelease();
+}
+
+void RelayCore::MaybeRelease() {
+  if (!checking_.empty()) return;
+  if (holding_) {
+    if (!replays_started_) {
+      replays_started_ = true;
+      StartReplays();  // comes back here when they are done
+      return;
+    }
+    if (!replays_.empty()) return;
+    holding_ = false;
+  }
   std::vector<uint64_t> waiting = std::move(after_checks_);
   after_checks_.clear();
   std::sort(waiting.begin(), waiting.end());
@@ -718,6 +732,8 @@ void RelayCore::ProgramGone() {
   replays_.clear();
   checking_.clear();
   after_checks_.clear();  // their requests go back to the queue below
+  holding_ = false;
+  replays_started_ = false;
   nodes_.NewInstance();
   for (auto& [kfh, h] : handles_) {
     h.opening = false;
@@ -764,6 +780,7 @@ void RelayCore::ProgramStarted() {
 
 void RelayCore::SetReady() {
   ready_ = true;
+  holding_ = false;
   std::vector<uint64_t> queue = std::move(queue_);
   queue_.clear();
   std::sort(queue.begin(), queue.end());
@@ -818,7 +835,7 @@ void RelayCore::StartReplays() {
     replays_[kid] = Replay{};
   }
   if (replays_.empty()) {
-    SetReady();
+    MaybeRelease();
     return;
   }
   for (uint64_t kid : kids) {
@@ -894,7 +911,7 @@ void RelayCore::ReplayEnd(uint64_t kid, bool ok, const std::string& why) {
     SendOwn(OwnKind::kReplayRelease, kid, FUSE_RELEASE, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
   }
   if (!ok) LoseNode(kid, why);
-  if (replays_.empty() && !ready_) SetReady();
+  if (replays_.empty()) MaybeRelease();
 }
 
 void RelayCore::LoseNode(uint64_t kid, const std::string& why) {
@@ -1190,7 +1207,18 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
       }
       std::string copy(msg, len);
       OnInitReply(copy.data(), copy.size(), /*replayed=*/true);
-      StartReplays();  // then SetReady
+      // First what the dead instance may have done is checked, then kept changes are written
+      // again, then everything else goes (MaybeRelease).
+      holding_ = true;
+      replays_started_ = false;
+      ready_ = true;
+      {
+        std::vector<uint64_t> queue = std::move(queue_);
+        queue_.clear();
+        std::sort(queue.begin(), queue.end());
+        for (uint64_t unique : queue) Dispatch(unique);
+      }
+      MaybeRelease();
       Forgets();
       return;
     }

@@ -171,6 +171,9 @@ class RelayCore {
   void Check(Request& r, uint64_t unique);
   // The request is no longer being checked: once none is, the requests held meanwhile go on.
   void Checked(uint64_t unique);
+  // A new instance: once nothing is being checked, its kept changes are written again
+  // (StartReplays), then the requests held meanwhile go on.
+  void MaybeRelease();
   void OnCheckReply(uint64_t unique, const char* msg, size_t len);
   void Complete(uint64_t unique);
   void EraseHandle(uint64_t kfh);
@@ -239,6 +242,8 @@ class RelayCore {
   std::unordered_map<uint64_t, Replay> replays_;  // by kid: files being given their changes again
   std::set<uint64_t> checking_;        // requests being checked (RelayCore::Check)
   std::vector<uint64_t> after_checks_;  // requests held until no request is being checked
+  bool holding_ = false;          // a new instance: checks, then replays, before other requests
+  bool replays_started_ = false;
   std::unordered_map<uint64_t, std::vector<Waiter>> node_waiters_;
   uint64_t instance_ = 0;  // current instance number (1 = first)
   bool attached_ = false;
