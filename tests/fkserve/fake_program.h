@@ -77,6 +77,9 @@ class FakeInstance {
   // FLUSH of the handle it came through (a change by path: of any handle) — and what reaches the
   // disk is only the synced changes, applied in their order: a worst case for the relay.
   bool keeps_changes_per_handle = false;
+  // Like s3fs: a file made by CREATE is on the disk (named in its directory) only once a FLUSH
+  // or FSYNC of it; until then only this instance knows it.
+  bool keeps_creates_until_sync = false;
 
   // Handles one request; the reply ("" if none is due).
   std::string Handle(const std::string& m) {
@@ -121,7 +124,12 @@ class FakeInstance {
     switch (h.opcode) {
       case FUSE_LOOKUP: {
         auto it = node->children.find(name_at(0));
-        if (it == node->children.end()) return Reply(h.unique, -ENOENT, "");
+        if (it == node->children.end()) {
+          for (const auto& [made, where] : unsynced_creates_) {
+            if (where.first == ino && where.second == name_at(0)) return Reply(h.unique, 0, Entry(made));
+          }
+          return Reply(h.unique, -ENOENT, "");
+        }
         return Reply(h.unique, 0, Entry(it->second));
       }
       case FUSE_GETATTR: {
@@ -147,6 +155,10 @@ class FakeInstance {
         const std::string name = name_at(fixed);
         if (node->children.count(name)) return Reply(h.unique, -EEXIST, "");
         const uint64_t made = disk_->Make(ino, name, h.opcode == FUSE_MKDIR);
+        if (h.opcode == FUSE_CREATE && keeps_creates_until_sync) {
+          node->children.erase(name);
+          unsynced_creates_[made] = {ino, name};
+        }
         std::string out = Entry(made);
         if (h.opcode == FUSE_CREATE) out += Bytes(Open(made));
         return Reply(h.unique, 0, out);
@@ -166,7 +178,15 @@ class FakeInstance {
         const std::string from = name_at(sizeof(in));
         const std::string to = name_at(sizeof(in) + from.size() + 1);
         auto it = node->children.find(from);
-        if (it == node->children.end()) return Reply(h.unique, -ENOENT, "");
+        if (it == node->children.end()) {
+          for (auto& [made, where] : unsynced_creates_) {
+            if (where.first == ino && where.second == from) {
+              where = {to_ino, to};
+              return Reply(h.unique, 0, "");
+            }
+          }
+          return Reply(h.unique, -ENOENT, "");
+        }
         const uint64_t moved = it->second;
         node->children.erase(it);
         disk_->inodes[to_ino].children[to] = moved;
@@ -245,6 +265,10 @@ class FakeInstance {
           cache_.erase(it);
         }
         Sync(ino, fh);
+        if (auto it = unsynced_creates_.find(ino); it != unsynced_creates_.end()) {
+          disk_->inodes[it->second.first].children[it->second.second] = ino;
+          unsynced_creates_.erase(it);
+        }
         return Reply(h.unique, 0, "");
       }
       default:
@@ -371,6 +395,7 @@ class FakeInstance {
   std::map<uint64_t, uint64_t> open_;    // fh → ino
   std::map<uint64_t, std::string> cache_;  // ino → data not synced yet
   std::map<uint64_t, Pending> pending_;    // ino → changes not all synced (keeps_changes_per_handle)
+  std::map<uint64_t, std::pair<uint64_t, std::string>> unsynced_creates_;  // ino → (directory, name)
   std::set<uint64_t> listed_;              // directory handles read from offset 0
   uint64_t next_fh_ = 1;
 };

@@ -373,6 +373,39 @@ TEST_F(RelayCoreTest, KeptChangesOfAFileTheDeadProgramRenamedAreWrittenUnderItsN
   EXPECT_EQ(core_.stats().files_lost, 0u) << absl::StrJoin(wires_.logs, "\n");
 }
 
+// A program that makes a created file only at its first sync (s3fs: the object is PUT at FLUSH)
+// dies before that: the new instance lacks the file, so the relay makes it again where it is now
+// (it was renamed meanwhile) and writes its kept changes into it; the held handle goes on.
+TEST_F(RelayCoreTest, AFileTheDeadProgramHadNotMadeYetIsMadeAgainWithItsChanges) {
+  Start();
+  prog_->keeps_writes_until_sync = prog_->keeps_creates_until_sync = true;
+  Init();
+  fuse_create_in in{};
+  in.flags = O_RDWR | O_CREAT;
+  in.mode = 0100644;
+  const std::string r = Call(FUSE_CREATE, FUSE_ROOT_ID, Bytes(in) + std::string("new\0", 4));
+  ASSERT_EQ(ErrorOf(r), 0);
+  const uint64_t kn = Load<fuse_entry_out>(r.data() + sizeof(fuse_out_header)).nodeid;
+  const uint64_t fh = Load<fuse_open_out>(r.data() + sizeof(fuse_out_header) + sizeof(fuse_entry_out)).fh;
+  fuse_write_in w{};
+  w.fh = fh;
+  w.size = 4;
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, kn, Bytes(w) + "data")), 0);
+  fuse_rename_in mv{};
+  mv.newdir = FUSE_ROOT_ID;
+  ASSERT_EQ(ErrorOf(Call(FUSE_RENAME, FUSE_ROOT_ID, Bytes(mv) + std::string("new\0moved\0", 10))), 0);
+  EXPECT_EQ(disk_.inodes[1].children.count("moved"), 0u) << "only the instance knows it";
+  Kill();
+  Start();
+  prog_->keeps_writes_until_sync = prog_->keeps_creates_until_sync = true;
+  Pump();
+  ASSERT_EQ(disk_.inodes[1].children.count("moved"), 1u) << absl::StrJoin(wires_.logs, "\n");
+  EXPECT_EQ(disk_.inodes[disk_.inodes[1].children["moved"]].data, "data");
+  EXPECT_EQ(Read(kn, fh), "data");
+  EXPECT_EQ(core_.stats().files_lost, 0u) << absl::StrJoin(wires_.logs, "\n");
+  EXPECT_EQ(core_.stats().restore_failures, 0u) << absl::StrJoin(wires_.logs, "\n");
+}
+
 // A program that keeps written data until it syncs (s3fs) dies after answering WRITEs: the
 // relay writes them again into the reopened handle, so the app's fsync after the restart makes
 // them durable instead of succeeding over lost data.

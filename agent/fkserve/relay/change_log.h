@@ -3,7 +3,7 @@
 //
 // Only a program that keeps data until FSYNC/FLUSH needs it (durability.h: kAtSync). Per node
 // (the kernel's id of a file) it keeps the kernel's requests that change the file's bytes or
-// size — WRITE, SETATTR with a size, FALLOCATE — in one sequence, whichever handle (or none: a
+// size — WRITE, SETATTR with a size, FALLOCATE, and the CREATE that made it — in one sequence, whichever handle (or none: a
 // truncate by path) they came through. An FSYNC or FLUSH answered on a handle makes that handle's
 // changes durable, and the changes that came through no handle; a durable change is dropped only
 // once every change before it is durable too. Why: written again into a restarted program, a

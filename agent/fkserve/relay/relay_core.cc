@@ -470,7 +470,14 @@ void RelayCore::Resolved(uint64_t kid, bool ok) {
         if (ok) {
           ReplayOpen(w.id);
         } else {
-          ReplayEnd(w.id, false, "it no longer resolves in the restarted program");
+          ReplayCreate(w.id);
+        }
+        break;
+      case Waiter::kReplayParent:
+        if (ok) {
+          ReplayCreate(w.id);
+        } else {
+          ReplayEnd(w.id, false, "its directory no longer resolves in the restarted program");
         }
         break;
     }
@@ -860,6 +867,31 @@ void RelayCore::ReplayOpen(uint64_t kid) {
   SendOwn(OwnKind::kReplayOpen, kid, FUSE_OPEN, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
 }
 
+void RelayCore::ReplayCreate(uint64_t kid) {
+  const NodeChanges* nc = changes_.Find(kid);
+  Node* n = nodes_.Find(kid);
+  if (nc == nullptr || nc->changes.empty() || InHeader(nc->changes.front().msg.data()).opcode != FUSE_CREATE ||
+      n == nullptr || n->parent == 0) {
+    ReplayEnd(kid, false, "it no longer resolves in the restarted program");
+    return;
+  }
+  Node* parent = nodes_.Find(n->parent);
+  if (parent == nullptr) {
+    ReplayEnd(kid, false, "its directory is unknown");
+    return;
+  }
+  if (parent->pid == 0) {
+    WaitNode(n->parent, {Waiter::kReplayParent, kid});
+    return;
+  }
+  // Made again where it is now (it may have been renamed since), empty, for writing.
+  const std::string& made = nc->changes.front().msg;
+  fuse_create_in in = Load<fuse_create_in>(made.data() + kInHeader);
+  in.flags = O_WRONLY | O_CREAT;
+  SendOwn(OwnKind::kReplayCreate, kid, FUSE_CREATE, parent->pid,
+          absl::StrCat(absl::string_view(reinterpret_cast<const char*>(&in), sizeof(in)), n->name(), std::string(1, '\0')));
+}
+
 void RelayCore::ReplayNext(uint64_t kid) {
   auto it = replays_.find(kid);
   const NodeChanges* nc = changes_.Find(kid);
@@ -874,6 +906,11 @@ void RelayCore::ReplayNext(uint64_t kid) {
   }
   const std::string& msg = nc->changes[rp.next].msg;
   const uint32_t opcode = InHeader(msg.data()).opcode;
+  if (opcode == FUSE_CREATE) {  // the file exists (it resolved, or was just made again)
+    ++rp.next;
+    ReplayNext(kid);
+    return;
+  }
   std::string body = msg.substr(kInHeader);
   switch (opcode) {
     case FUSE_WRITE:
@@ -1044,6 +1081,15 @@ void RelayCore::NoteChange(Request& r, const char* reply, size_t len) {
       h.len = static_cast<uint32_t>(kInHeader + sizeof(in));
       add(r.node, opened,
           std::string(reinterpret_cast<const char*>(&h), kInHeader) + std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+      return;
+    }
+    case FUSE_CREATE: {
+      // The file itself may not exist for the program until it syncs (s3fs makes the object at
+      // FLUSH): kept as the file's first change, and made again if a new instance lacks it.
+      if (!keep || len < kOutHeader + sizeof(fuse_entry_out) + sizeof(fuse_open_out)) return;
+      const uint64_t kid = Load<fuse_entry_out>(reply + kOutHeader).nodeid;
+      const uint64_t opened = Load<fuse_open_out>(reply + kOutHeader + sizeof(fuse_entry_out)).fh;
+      if (kid != 0 && handles_.count(opened)) add(kid, opened, std::move(r.msg));
       return;
     }
     case FUSE_COPY_FILE_RANGE: {
@@ -1262,6 +1308,20 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
         rp->second.pfh = Load<fuse_open_out>(msg + kOutHeader).fh;
         ReplayNext(own.id);
       }
+      return;
+    case OwnKind::kReplayCreate:
+      if (h.error != 0 || len < kOutHeader + sizeof(fuse_entry_out) + sizeof(fuse_open_out) ||
+          Load<fuse_entry_out>(msg + kOutHeader).nodeid == 0) {
+        ReplayEnd(own.id, false, absl::StrCat("making it again: ", h.error != 0 ? strerror(-h.error) : "bad reply"));
+        return;
+      }
+      nodes_.BindResolved(own.id, Load<fuse_entry_out>(msg + kOutHeader).nodeid);
+      if (auto rp = replays_.find(own.id); rp != replays_.end()) {
+        rp->second.pfh = Load<fuse_open_out>(msg + kOutHeader + sizeof(fuse_entry_out)).fh;
+        ++stats_.writes_replayed;
+        ReplayNext(own.id);
+      }
+      Forgets();
       return;
     case OwnKind::kReplayChange:
       if (h.error != 0) {

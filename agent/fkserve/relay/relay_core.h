@@ -153,14 +153,15 @@ class RelayCore {
     int lost_error = 0;
     std::vector<uint64_t> waiters;  // request uniques
   };
-  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime, kReplayOpen, kReplayChange, kReplayFlush, kReplayRelease };
+  enum class OwnKind { kInit, kLookup, kOpen, kCheck, kPrime, kReplayOpen, kReplayCreate, kReplayChange, kReplayFlush,
+                       kReplayRelease };
   struct Own {
     OwnKind kind;
     uint64_t id;      // kid (kLookup), kernel fh (kOpen, kPrime), kernel unique (kCheck)
     uint32_t opcode;  // what was sent (a primer's READDIR or READDIRPLUS)
   };
   struct Waiter {
-    enum Kind { kRequest, kNode, kHandle, kReplay } kind;
+    enum Kind { kRequest, kNode, kHandle, kReplay, kReplayParent } kind;
     uint64_t id;
   };
 
@@ -207,6 +208,8 @@ class RelayCore {
   // requests wait until all are done (a LOOKUP answered before would give the kernel an old size).
   void StartReplays();
   void ReplayOpen(uint64_t kid);
+  // A file whose first kept change is its CREATE and that the new instance lacks: made again.
+  void ReplayCreate(uint64_t kid);
   void ReplayNext(uint64_t kid);
   void ReplayEnd(uint64_t kid, bool ok, const std::string& why);
   void LoseNode(uint64_t kid, const std::string& why);
