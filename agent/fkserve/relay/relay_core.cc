@@ -391,8 +391,12 @@ void RelayCore::ForgetInProgram(uint64_t pid, uint64_t count) {
 }
 
 uint64_t RelayCore::SendToProgram(uint32_t opcode, uint64_t nodeid, absl::string_view body,
-                                  std::optional<OwnKind> reply, uint64_t id) {
+                                  std::optional<OwnKind> reply, uint64_t id, const std::string* as) {
   fuse_in_header h{};
+  if (as != nullptr && as->size() >= kInHeader) {
+    h.uid = InHeader(as->data()).uid;
+    h.gid = InHeader(as->data()).gid;
+  }
   h.len = static_cast<uint32_t>(kInHeader + body.size());
   h.opcode = opcode;
   h.unique = kOwnUniqueBit | (next_own_++ << 1);
@@ -407,8 +411,9 @@ uint64_t RelayCore::SendToProgram(uint32_t opcode, uint64_t nodeid, absl::string
 
 // ---- Restoring nodes and handles in a new instance ----
 
-uint64_t RelayCore::SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body) {
-  return SendToProgram(opcode, nodeid, body, kind, id);
+uint64_t RelayCore::SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body,
+                           const std::string* as) {
+  return SendToProgram(opcode, nodeid, body, kind, id, as);
 }
 
 void RelayCore::WaitNode(uint64_t kid, Waiter w) {
@@ -864,7 +869,13 @@ void RelayCore::ReplayOpen(uint64_t kid) {
   }
   fuse_open_in in{};
   in.flags = O_WRONLY;
-  SendOwn(OwnKind::kReplayOpen, kid, FUSE_OPEN, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+  SendOwn(OwnKind::kReplayOpen, kid, FUSE_OPEN, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)),
+          FirstChange(kid));
+}
+
+const std::string* RelayCore::FirstChange(uint64_t kid) const {
+  const NodeChanges* nc = changes_.Find(kid);
+  return nc == nullptr || nc->changes.empty() ? nullptr : &nc->changes.front().msg;
 }
 
 void RelayCore::ReplayCreate(uint64_t kid) {
@@ -889,7 +900,8 @@ void RelayCore::ReplayCreate(uint64_t kid) {
   fuse_create_in in = Load<fuse_create_in>(made.data() + kInHeader);
   in.flags = O_WRONLY | O_CREAT;
   SendOwn(OwnKind::kReplayCreate, kid, FUSE_CREATE, parent->pid,
-          absl::StrCat(absl::string_view(reinterpret_cast<const char*>(&in), sizeof(in)), n->name(), std::string(1, '\0')));
+          absl::StrCat(absl::string_view(reinterpret_cast<const char*>(&in), sizeof(in)), n->name(), std::string(1, '\0')),
+          &made);
 }
 
 void RelayCore::ReplayNext(uint64_t kid) {
@@ -901,7 +913,8 @@ void RelayCore::ReplayNext(uint64_t kid) {
   if (nc == nullptr || rp.next >= nc->changes.size()) {
     fuse_flush_in in{};
     in.fh = rp.pfh;
-    SendOwn(OwnKind::kReplayFlush, kid, FUSE_FLUSH, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)));
+    SendOwn(OwnKind::kReplayFlush, kid, FUSE_FLUSH, n->pid, std::string(reinterpret_cast<const char*>(&in), sizeof(in)),
+            FirstChange(kid));
     return;
   }
   const std::string& msg = nc->changes[rp.next].msg;
@@ -932,7 +945,7 @@ void RelayCore::ReplayNext(uint64_t kid) {
       break;
   }
   ++stats_.writes_replayed;
-  SendOwn(OwnKind::kReplayChange, kid, opcode, n->pid, body);
+  SendOwn(OwnKind::kReplayChange, kid, opcode, n->pid, body, &msg);
 }
 
 void RelayCore::ReplayEnd(uint64_t kid, bool ok, const std::string& why) {

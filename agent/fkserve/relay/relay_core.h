@@ -210,15 +210,19 @@ class RelayCore {
   void ReplayOpen(uint64_t kid);
   // A file whose first kept change is its CREATE and that the new instance lacks: made again.
   void ReplayCreate(uint64_t kid);
+  const std::string* FirstChange(uint64_t kid) const;  // its request, or null
   void ReplayNext(uint64_t kid);
   void ReplayEnd(uint64_t kid, bool ok, const std::string& why);
   void LoseNode(uint64_t kid, const std::string& why);
   void SetReady();
-  uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body);
+  // `as`: a kernel request whose uid and gid the relay's own request carries (a file written
+  // again is written as the one who wrote it: a program may check, or record, who that is).
+  uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body,
+                   const std::string* as = nullptr);
   // A request of the relay's own (a unique the kernel never uses) to the program; `reply`: what
   // its reply is for (none for FORGET and BATCH_FORGET). Returns the unique.
   uint64_t SendToProgram(uint32_t opcode, uint64_t nodeid, absl::string_view body,
-                         std::optional<OwnKind> reply = std::nullopt, uint64_t id = 0);
+                         std::optional<OwnKind> reply = std::nullopt, uint64_t id = 0, const std::string* as = nullptr);
 
   // Replies.
   bool TranslateReply(Request& r, char* msg, size_t len, std::string* why);
