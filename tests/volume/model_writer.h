@@ -27,8 +27,16 @@ namespace fusekeeper {
 
 class ModelWriter {
  public:
-  ModelWriter(const std::string& target, const std::string& view_dir, uid_t uid, uint32_t seed)
-      : app_(target, view_dir, uid, [seed](const std::string& v, int out) { Run(v, seed, out); }) {}
+  struct Options {
+    // ftruncate longer too (and pwrite past the end, leaving holes), not only shorter.
+    bool extend = true;
+    // rename held files.
+    bool rename = true;
+    // ftruncate held files.
+    bool truncate = true;
+  };
+  ModelWriter(const std::string& target, const std::string& view_dir, uid_t uid, uint32_t seed, Options options)
+      : app_(target, view_dir, uid, [seed, options](const std::string& v, int out) { Run(v, seed, options, out); }) {}
 
   bool WaitForSteps(int64_t n) { return app_.WaitForSteps(n); }
   // Blocking: every file read fresh and compared with the model (the writer goes on).
@@ -76,7 +84,7 @@ class ModelWriter {
                 : "");
   }
 
-  [[noreturn]] static void Run(const std::string& v, uint32_t seed, int out) {
+  [[noreturn]] static void Run(const std::string& v, uint32_t seed, const Options& options, int out) {
     std::mt19937 rng(seed);
     std::vector<File> held(3);
     held[0].name = "h0.bin";
@@ -132,7 +140,7 @@ class ModelWriter {
           case 1:
           case 2: {  // pwrite, holes included
             if (f.model.size() > kMaxFileBytes) break;
-            const size_t off = rng() % (f.model.size() + 65536);
+            const size_t off = rng() % (f.model.size() + (options.extend ? 65536 : 1));
             const std::string d = fill(size_of_write());
             if (pwrite(f.fd, d.data(), d.size(), static_cast<off_t>(off)) != static_cast<ssize_t>(d.size())) {
               PodApp::Report(out, PodApp::Err("X pwrite " + Describe(f)));
@@ -153,7 +161,8 @@ class ModelWriter {
             break;
           }
           case 4: {  // ftruncate, shorter or longer
-            const size_t to = rng() % (f.model.size() * 2 + 4096);
+            if (!options.truncate) break;
+            const size_t to = rng() % (options.extend ? f.model.size() * 2 + 4096 : f.model.size() + 1);
             if (ftruncate(f.fd, static_cast<off_t>(to)) != 0) {
               PodApp::Report(out, PodApp::Err("X ftruncate " + Describe(f)));
             } else {
@@ -167,6 +176,7 @@ class ModelWriter {
             break;
           }
           case 6: {  // rename of a held file
+            if (!options.rename) break;
             const std::string to = "mv-" + std::to_string(k) + "-" + std::to_string(op) + ".bin";
             if (rename((v + "/" + f.name).c_str(), (v + "/" + to).c_str()) != 0) {
               PodApp::Report(out, PodApp::Err("X rename " + f.name));
@@ -186,8 +196,14 @@ class ModelWriter {
             if (n < 0) {
               PodApp::Report(out, PodApp::Err("X pread " + Describe(r)));
             } else if (std::string(buf.data(), static_cast<size_t>(n)) != want) {
+              // Past the page cache: what the server itself answers now.
+              std::string whole;
+              const std::string server = !ReadWhole(v + "/" + r.name, &whole) ? "unreadable"
+                                         : whole == r.model                  ? "right"
+                                                                             : "wrong, " + FirstDifference(whole, r.model);
               PodApp::Report(out, "-W pread " + Describe(r) + " [" + std::to_string(off) + ", +" + std::to_string(len) +
-                                      "): " + FirstDifference(std::string(buf.data(), static_cast<size_t>(n)), want));
+                                      "): " + FirstDifference(std::string(buf.data(), static_cast<size_t>(n)), want) +
+                                      " (step " + std::to_string(k) + "; the file read whole now: " + server + ")");
             }
             break;
           }
