@@ -8,12 +8,15 @@
 // stalled in 2 of 4 runs, fk-loop in fuse_dev_do_read. Needs root (a private mount namespace,
 // /dev/fuse, /sys/fs/fuse/connections to unblock a stall).
 #include <fcntl.h>
+#include <linux/fuse.h>
+#include <sys/uio.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <chrono>
 #include <dirent.h>
 #include <fstream>
@@ -110,6 +113,140 @@ TEST(RelayIoTest, TheLoopKeepsAnsweringAStreamOfRequests) {
   EXPECT_FALSE(stalled) << "the relayed mount stopped answering after " << last
                         << " GETATTRs; threads: " << states;
   EXPECT_EQ(failed.load(), 0);
+  umount2(mnt.path().c_str(), MNT_DETACH);
+  kill(server, SIGKILL);
+  waitpid(server, nullptr, 0);
+  (*relay)->Stop();
+}
+
+
+// Aborts every FUSE connection mounted at `mnt` (its device minor names it) so that a stuck test
+// ends. fusectl may not be mounted yet in the test's own mount namespace.
+void AbortConnectionAt(const std::string& mnt) {
+  mount("fusectl", "/sys/fs/fuse/connections", "fusectl", 0, nullptr);
+  std::ifstream in("/proc/self/mountinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(" " + mnt + " ") == std::string::npos || line.find("fuse") == std::string::npos) continue;
+    const size_t colon = line.find(':');
+    const std::string minor = line.substr(colon + 1, line.find(' ', colon) - colon - 1);
+    std::ofstream(absl::StrCat("/sys/fs/fuse/connections/", minor, "/abort")) << 1;
+  }
+}
+
+// A program that sends a notification about a directory while a request holding that
+// directory's lock waits for its answer — rclone does (an INVAL_ENTRY as it renames). The kernel
+// takes the directory's lock in the thread that writes the notification; written from the relay's
+// loop, which must also deliver the RENAME's answer, nothing moved again (seen in the
+// model-checking writer: fk-loop in fuse_reverse_inval_entry, the app's rename in
+// request_wait_answer, until the test's timeout). The program here is a few lines of FUSE that
+// answer a RENAME only after notifying.
+TEST(RelayIoTest, ANotificationAboutADirectoryARequestHoldsDoesNotStopTheLoop) {
+  TmpfsDir mnt;
+  auto dev = OpenFuseDeviceBlocking();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  UniqueFd target(open(mnt.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(MountFuseBlocking(dev->get(), target.get(), mnt.path(), FuseMountOptions{}).ok());
+  auto relay = relay::Relay::Start(dev->get(), {});
+  ASSERT_TRUE(relay.ok()) << relay.status();
+  auto sock = (*relay)->NewInstanceSocket();
+  ASSERT_TRUE(sock.ok());
+  const pid_t server = fork();
+  ASSERT_GE(server, 0);
+  if (server == 0) {
+    std::vector<char> buf(1 << 21);
+    auto reply = [&](uint64_t unique, int error, const void* body, size_t len) {
+      fuse_out_header h{};
+      h.len = static_cast<uint32_t>(sizeof(h) + len);
+      h.error = error;
+      h.unique = unique;
+      iovec iov[2] = {{&h, sizeof(h)}, {const_cast<void*>(body), len}};
+      (void)!writev(sock->get(), iov, len > 0 ? 2 : 1);
+    };
+    auto attr = [](uint64_t ino, bool dir) {
+      fuse_attr a{};
+      a.ino = ino;
+      a.mode = dir ? (S_IFDIR | 0755) : (S_IFREG | 0644);
+      a.nlink = dir ? 2 : 1;
+      return a;
+    };
+    bool renamed = false;
+    for (;;) {
+      const ssize_t n = read(sock->get(), buf.data(), buf.size());
+      if (n <= 0) _exit(0);
+      fuse_in_header in;
+      memcpy(&in, buf.data(), sizeof(in));
+      const char* body = buf.data() + sizeof(in);
+      switch (in.opcode) {
+        case FUSE_INIT: {
+          fuse_init_out o{};
+          o.major = FUSE_KERNEL_VERSION;
+          o.minor = 31;
+          o.max_write = 65536;
+          reply(in.unique, 0, &o, sizeof(o));
+          break;
+        }
+        case FUSE_GETATTR: {
+          fuse_attr_out o{};
+          o.attr = attr(in.nodeid, in.nodeid == FUSE_ROOT_ID);
+          reply(in.unique, 0, &o, sizeof(o));
+          break;
+        }
+        case FUSE_LOOKUP: {
+          if (std::string(body) != (renamed ? "b" : "a")) {
+            reply(in.unique, -ENOENT, nullptr, 0);
+            break;
+          }
+          fuse_entry_out e{};
+          e.nodeid = 2;
+          e.attr = attr(2, false);
+          reply(in.unique, 0, &e, sizeof(e));
+          break;
+        }
+        case FUSE_RENAME:
+        case FUSE_RENAME2: {
+          // The notification first, as its own message, then the answer.
+          fuse_notify_inval_entry_out inval{};
+          inval.parent = FUSE_ROOT_ID;
+          inval.namelen = 1;
+          char msg[sizeof(fuse_out_header) + sizeof(inval) + 2] = {};
+          fuse_out_header h{};
+          h.len = sizeof(msg);
+          h.error = FUSE_NOTIFY_INVAL_ENTRY;
+          memcpy(msg, &h, sizeof(h));
+          memcpy(msg + sizeof(h), &inval, sizeof(inval));
+          memcpy(msg + sizeof(h) + sizeof(inval), "b", 2);
+          (void)!write(sock->get(), msg, sizeof(msg));
+          renamed = true;
+          reply(in.unique, 0, nullptr, 0);
+          break;
+        }
+        case FUSE_FORGET:
+        case FUSE_BATCH_FORGET:
+        case FUSE_INTERRUPT:
+          break;
+        default:
+          reply(in.unique, -ENOSYS, nullptr, 0);
+      }
+    }
+  }
+  std::atomic<int> result{1};
+  std::atomic<bool> done{false};
+  std::thread app([&] {
+    result = rename((mnt.path() + "/a").c_str(), (mnt.path() + "/b").c_str()) == 0 ? 0 : errno;
+    done = true;
+  });
+  std::string states;
+  for (auto since = std::chrono::steady_clock::now(); !done;) {
+    std::this_thread::yield();
+    if (std::chrono::steady_clock::now() - since > std::chrono::seconds(10)) {
+      states = ThreadStates();
+      AbortConnectionAt(mnt.path());
+      break;
+    }
+  }
+  app.join();
+  EXPECT_TRUE(states.empty()) << "the rename waited over 10 s; threads: " << states;
+  EXPECT_EQ(result.load(), 0) << strerror(result.load());
   umount2(mnt.path().c_str(), MNT_DETACH);
   kill(server, SIGKILL);
   waitpid(server, nullptr, 0);

@@ -1,5 +1,9 @@
 #include "agent/fkserve/relay/relay.h"
 
+#include <linux/fuse.h>
+
+#include "agent/fkserve/relay/kernel_notifier.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -51,6 +55,7 @@ struct Relay::LoopState final : RelayOutput {
   size_t max_message = 0;
   std::unique_ptr<StateJournal> journal;  // declared before the core, which writes to it
   std::unique_ptr<RelayCore> core;
+  std::unique_ptr<KernelNotifier> notifier;
   // The kernel's connection is non-blocking (O_NONBLOCK, set at Start) and drained with read(2)
   // whenever a multishot POLL says it is readable. Not io_uring READs: io_uring (6.10+) tries a
   // READ of a pollable file without FMODE_NOWAIT inline, in this thread, when poll says it is
@@ -82,6 +87,10 @@ struct Relay::LoopState final : RelayOutput {
   }
 
   void ToKernel(const char* data, size_t len) override {
+    if (len >= sizeof(fuse_out_header) && reinterpret_cast<const fuse_out_header*>(data)->unique == 0) {
+      notifier->Push(data, len);  // never from this thread: kernel_notifier.h
+      return;
+    }
     ssize_t n;
     do {
       n = write(kernel.get(), data, len);
@@ -325,6 +334,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   st->kernel = UniqueFd(fcntl(kernel_fd, F_DUPFD_CLOEXEC, 3));
   if (!st->kernel.valid()) return absl::InternalError(absl::StrCat("dup of the connection: ", strerror(errno)));
   st->cb = std::move(callbacks);
+  st->notifier = std::make_unique<KernelNotifier>(st->kernel.get(), st->cb.log);
   st->max_message = r->max_message_;
   st->core = std::make_unique<RelayCore>(st.get(), r->max_message_, durability);
   const bool adopting = state.valid();
