@@ -48,16 +48,45 @@ std::string ThreadStates() {
   return out;
 }
 
-TEST(RelayIoTest, TheLoopKeepsAnsweringAStreamOfRequests) {
-  TmpfsDir root, mnt;
+// A FUSE mount at `path` whose connection a Relay keeps; `sock` is the program's end.
+struct RelayedMount {
+  UniqueFd dev;
+  std::unique_ptr<relay::Relay> relay;
+  UniqueFd sock;
+};
+void MountRelayed(const std::string& path, RelayedMount* m) {
   auto dev = OpenFuseDeviceBlocking();
   ASSERT_TRUE(dev.ok()) << dev.status();
-  UniqueFd target(open(mnt.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  ASSERT_TRUE(MountFuseBlocking(dev->get(), target.get(), mnt.path(), FuseMountOptions{}).ok());
-  auto relay = relay::Relay::Start(dev->get(), {});
+  m->dev = std::move(*dev);
+  UniqueFd target(open(path.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(MountFuseBlocking(m->dev.get(), target.get(), path, FuseMountOptions{}).ok());
+  auto relay = relay::Relay::Start(m->dev.get(), {});
   ASSERT_TRUE(relay.ok()) << relay.status();
-  auto sock = (*relay)->NewInstanceSocket();
+  m->relay = std::move(*relay);
+  auto sock = m->relay->NewInstanceSocket();
   ASSERT_TRUE(sock.ok());
+  m->sock = std::move(*sock);
+}
+
+// Aborts every FUSE connection mounted at `mnt` (its device minor names it) so that a stuck test
+// ends. fusectl may not be mounted yet in the test's own mount namespace.
+void AbortConnectionAt(const std::string& mnt) {
+  mount("fusectl", "/sys/fs/fuse/connections", "fusectl", 0, nullptr);
+  std::ifstream in("/proc/self/mountinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(" " + mnt + " ") == std::string::npos || line.find("fuse") == std::string::npos) continue;
+    const size_t colon = line.find(':');
+    const std::string minor = line.substr(colon + 1, line.find(' ', colon) - colon - 1);
+    std::ofstream(absl::StrCat("/sys/fs/fuse/connections/", minor, "/abort")) << 1;
+  }
+}
+
+TEST(RelayIoTest, TheLoopKeepsAnsweringAStreamOfRequests) {
+  TmpfsDir root, mnt;
+  RelayedMount m;
+  MountRelayed(mnt.path(), &m);
+  if (HasFatalFailure()) return;
+  UniqueFd* sock = &m.sock;
   { std::ofstream(root.path() + "/f") << "x"; }
   const pid_t server = fork();
   ASSERT_GE(server, 0);
@@ -96,16 +125,7 @@ TEST(RelayIoTest, TheLoopKeepsAnsweringAStreamOfRequests) {
     } else if (std::chrono::steady_clock::now() - since > std::chrono::seconds(10)) {
       stalled = true;
       states = ThreadStates();
-      // Unblock everything: abort the connection (its device minor names it). fusectl may not be
-      // mounted yet (this is the test's own mount namespace).
-      mount("fusectl", "/sys/fs/fuse/connections", "fusectl", 0, nullptr);
-      std::ifstream in("/proc/self/mountinfo");
-      for (std::string line; std::getline(in, line);) {
-        if (line.find(" " + mnt.path() + " ") == std::string::npos || line.find("fuse") == std::string::npos) continue;
-        const size_t colon = line.find(':');
-        const std::string minor = line.substr(colon + 1, line.find(' ', colon) - colon - 1);
-        std::ofstream(absl::StrCat("/sys/fs/fuse/connections/", minor, "/abort")) << 1;
-      }
+      AbortConnectionAt(mnt.path());  // unblock everything
       break;
     }
   }
@@ -116,22 +136,9 @@ TEST(RelayIoTest, TheLoopKeepsAnsweringAStreamOfRequests) {
   umount2(mnt.path().c_str(), MNT_DETACH);
   kill(server, SIGKILL);
   waitpid(server, nullptr, 0);
-  (*relay)->Stop();
+  m.relay->Stop();
 }
 
-
-// Aborts every FUSE connection mounted at `mnt` (its device minor names it) so that a stuck test
-// ends. fusectl may not be mounted yet in the test's own mount namespace.
-void AbortConnectionAt(const std::string& mnt) {
-  mount("fusectl", "/sys/fs/fuse/connections", "fusectl", 0, nullptr);
-  std::ifstream in("/proc/self/mountinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.find(" " + mnt + " ") == std::string::npos || line.find("fuse") == std::string::npos) continue;
-    const size_t colon = line.find(':');
-    const std::string minor = line.substr(colon + 1, line.find(' ', colon) - colon - 1);
-    std::ofstream(absl::StrCat("/sys/fs/fuse/connections/", minor, "/abort")) << 1;
-  }
-}
 
 // A program that sends a notification about a directory while a request holding that
 // directory's lock waits for its answer — rclone does (an INVAL_ENTRY as it renames). The kernel
@@ -142,14 +149,10 @@ void AbortConnectionAt(const std::string& mnt) {
 // answer a RENAME only after notifying.
 TEST(RelayIoTest, ANotificationAboutADirectoryARequestHoldsDoesNotStopTheLoop) {
   TmpfsDir mnt;
-  auto dev = OpenFuseDeviceBlocking();
-  ASSERT_TRUE(dev.ok()) << dev.status();
-  UniqueFd target(open(mnt.path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  ASSERT_TRUE(MountFuseBlocking(dev->get(), target.get(), mnt.path(), FuseMountOptions{}).ok());
-  auto relay = relay::Relay::Start(dev->get(), {});
-  ASSERT_TRUE(relay.ok()) << relay.status();
-  auto sock = (*relay)->NewInstanceSocket();
-  ASSERT_TRUE(sock.ok());
+  RelayedMount m;
+  MountRelayed(mnt.path(), &m);
+  if (HasFatalFailure()) return;
+  UniqueFd* sock = &m.sock;
   const pid_t server = fork();
   ASSERT_GE(server, 0);
   if (server == 0) {
@@ -250,7 +253,7 @@ TEST(RelayIoTest, ANotificationAboutADirectoryARequestHoldsDoesNotStopTheLoop) {
   umount2(mnt.path().c_str(), MNT_DETACH);
   kill(server, SIGKILL);
   waitpid(server, nullptr, 0);
-  (*relay)->Stop();
+  m.relay->Stop();
 }
 
 }  // namespace

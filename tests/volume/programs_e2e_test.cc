@@ -217,16 +217,8 @@ TEST_F(RelayWorkloadTest, TheAgentKilledWhileTheProgramRestartsCostsNoError) {
   // The new agent got the relay state with the re-deposit: a launcher killed now is succeeded by
   // one that carries on from it.
   {
-    const int gone_before = agent_->CountInStderr("the FUSE server closed its connection");
-    std::set<pid_t> procs = ProgramProcesses(launcher->pid());
-    launcher->Signal(SIGKILL);
-    for (pid_t p : procs) kill(p, SIGKILL);
-    ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value());
-    ASSERT_TRUE(agent_->WaitForStderr("the FUSE server closed its connection", gone_before + 1,
-                                      std::chrono::milliseconds(20000)));
-    launcher = StartServer(PodSocket("pod-a"), launch);
-    ASSERT_TRUE(launcher->WaitForStderr("carrying on from its relay state", 1, std::chrono::milliseconds(20000)))
-        << launcher->Stderr() << agent_->Stderr();
+    launcher = KillLauncherAndStartAnother(launcher, PodSocket("pod-a"), launch);
+    ASSERT_NE(launcher, nullptr);
     ASSERT_TRUE(app.WaitForSteps(3)) << absl::StrJoin(app.errors(), "; ");
   }
   EXPECT_TRUE(app.Finish()) << absl::StrJoin(app.errors(), "; ");

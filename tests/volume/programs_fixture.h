@@ -195,6 +195,34 @@ class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface
     return launcher->WaitForStderr(absl::StrCat("(", nth, " restart(s) so far)"), 1, std::chrono::milliseconds(20000));
   }
 
+  // kill -9 of the launcher and every process of its program at once (a container restarted, an
+  // image upgraded); once the agent has seen its server go (as kubelet restarts a container only
+  // after it ended), a new launcher on `socket`, which must carry on from the relay state the dead
+  // one deposited. Returns it; nullptr (and a failure) if any step did not happen in 20 s.
+  Subprocess* KillLauncherAndStartAnother(Subprocess* launcher, const std::string& socket,
+                                          const std::vector<std::string>& launch) {
+    const std::string gone = "the FUSE server closed its connection";
+    const int gone_before = agent_->CountInStderr(gone);
+    std::set<pid_t> procs = ProgramProcesses(launcher->pid());
+    launcher->Signal(SIGKILL);
+    for (pid_t p : procs) kill(p, SIGKILL);
+    if (!launcher->Wait(std::chrono::milliseconds(20000)).has_value()) {
+      ADD_FAILURE() << "the killed launcher did not end";
+      return nullptr;
+    }
+    if (!agent_->WaitForStderr(gone, gone_before + 1, std::chrono::milliseconds(20000))) {
+      ADD_FAILURE() << "the agent did not see the launcher go:\n" << agent_->Stderr();
+      return nullptr;
+    }
+    Subprocess* next = StartServer(socket, launch);
+    if (!next->WaitForStderr("carrying on from its relay state", 1, std::chrono::milliseconds(20000))) {
+      ADD_FAILURE() << "the new launcher did not carry on from the relay state:\n" << next->Stderr() << "\nthe one before:\n"
+                    << launcher->Stderr() << agent_->Stderr();
+      return nullptr;
+    }
+    return next;
+  }
+
   // The program's processes: the launcher's children (the program, or what it daemonized into).
   std::set<pid_t> ProgramProcesses(pid_t launcher) {
     std::set<pid_t> out;

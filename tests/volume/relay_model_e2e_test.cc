@@ -74,17 +74,8 @@ class RelayModelTest : public ProgramsE2ETest {
     for (int i = 1; i <= kills; ++i) {
       if (i % 7 == 0) {
         // The launcher and its program at once (a container restarted, an image upgraded).
-        const int gone_before = agent_->CountInStderr("the FUSE server closed its connection");
-        std::set<pid_t> procs = ProgramProcesses(launcher->pid());
-        launcher->Signal(SIGKILL);
-        for (pid_t p : procs) kill(p, SIGKILL);
-        ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value());
-        ASSERT_TRUE(agent_->WaitForStderr("the FUSE server closed its connection", gone_before + 1,
-                                          std::chrono::milliseconds(20000)))
-            << agent_->Stderr();
-        launcher = StartServer(PodSocket(pod), launch);
-        ASSERT_TRUE(launcher->WaitForStderr("carrying on from its relay state", 1, std::chrono::milliseconds(20000)))
-            << say() << agent_->Stderr();
+        launcher = KillLauncherAndStartAnother(launcher, PodSocket(pod), launch);
+        ASSERT_NE(launcher, nullptr) << say();
         restarts = 1;  // its first instance is reported as a restart
         ++launcher_kills;
       } else {
