@@ -19,4 +19,8 @@ if [ ! -x "$tools/node_modules/.bin/s3rver" ]; then
   npm install --prefix "$tools" --no-audit --no-fund --silent s3rver@3.7.1 ||
     echo "setup: could not install s3rver from npm; the s3fs tests will be skipped (they say why)" >&2
 fi
+# S3's PUT is atomic; s3rver's writes the object in place (scripts/s3rver-atomic-put.py says why).
+if [ -f "$tools/node_modules/s3rver/lib/stores/filesystem.js" ]; then
+  python3 "$(dirname "$0")/s3rver-atomic-put.py" "$tools/node_modules/s3rver/lib/stores/filesystem.js"
+fi
 
