@@ -94,7 +94,9 @@ class RelayModelTest : public ProgramsE2ETest {
       ASSERT_TRUE(app.WaitForSteps(atoi(steps))) << say();
     }
     const bool verified = app.Verify();
-    if (!direct) ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, ++restarts)) << say();
+    if (!direct) {
+      ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, ++restarts)) << say();
+    }
     const bool verified_again = app.Verify();
     const bool stopped = app.Stop();
     std::cout << "RESULT model " << prog.name << (busy ? " busy" : " idle") << " (durability "
