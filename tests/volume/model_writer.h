@@ -9,8 +9,9 @@
 //          writer then reads the file whole and takes that as its model, as an app that was told
 //          would have to);
 //   "-X…": any other failure.
-// Verify ('v') reads every file fresh by name (O_DIRECT where the file system takes it) and
-// compares; Stop ('q') closes the held files (errors reported), verifies and ends.
+// Verify ('v') fsyncs the held files, then reads every file fresh by name (O_DIRECT where the file
+// system takes it) and compares; Stop ('q') closes the held files (errors reported), verifies and
+// ends.
 #pragma once
 
 #include <fcntl.h>
@@ -116,7 +117,12 @@ class ModelWriter {
       if (m->size() < off + d.size()) m->resize(off + d.size());
       m->replace(off, d.size(), d);
     };
-    auto verify = [&]() {
+    auto verify = [&](bool held_open) {
+      // An app that has to know what its files hold asks first: an fsync that fails (EIO) is
+      // how it learns that some of what it wrote is gone (then it takes what the file holds).
+      for (File& f : held) {
+        if (held_open && fsync(f.fd) != 0) failed(f, "fsync before verify");
+      }
       bool ok = true;
       std::vector<File*> files = {&held[0], &held[1], &held[2]};
       if (!byname.name.empty() && byname.fd == -2) files.push_back(&byname);  // made at least once
@@ -229,7 +235,7 @@ class ModelWriter {
       PodApp::Report(out, "+");
       switch (PodApp::NextCommand(out)) {
         case 'v':
-          PodApp::Report(out, verify() ? "=ok" : "=failed");
+          PodApp::Report(out, verify(/*held_open=*/true) ? "=ok" : "=failed");
           break;
         case 'q': {
           bool ok = true;
@@ -239,7 +245,7 @@ class ModelWriter {
               ok = false;
             }
           }
-          ok = verify() && ok;
+          ok = verify(/*held_open=*/false) && ok;
           PodApp::Report(out, ok ? "=ok" : "=failed");
           _exit(0);
         }

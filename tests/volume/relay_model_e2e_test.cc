@@ -113,6 +113,9 @@ class RelayModelTest : public ProgramsE2ETest {
       // What a death lost was reported: an fsync or close failed (EIO). Reads between the death
       // and that report may return what the program has instead (the README's table says so).
       EXPECT_GT(app.Count('E'), 0) << say();
+      for (const std::string& e : app.errors()) {
+        if (!e.empty() && e[0] == 'W') std::cout << "  wrong: " << e << "\n";
+      }
     }
     load.clear();
     {

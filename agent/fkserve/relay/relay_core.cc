@@ -818,6 +818,9 @@ void RelayCore::ApplyDeath() {
       JournalHandle(kfh, h);
     }
   }
+  std::set<uint64_t> lost_nodes;
+  for (uint64_t kfh : lost) lost_nodes.insert(handles_.at(kfh).kid);
+  for (uint64_t kid : lost_nodes) InvalidateInKernel(kid);
   if (!lost.empty()) {
     stats_.files_lost += lost.size();
     out_->Log(absl::StrCat("relay: ", lost.size(), " open file(s) had writes the program (which stores them at ",
@@ -977,6 +980,23 @@ void RelayCore::LoseNode(uint64_t kid, const std::string& why) {
     h.maybe_lost = true;
     JournalHandle(kfh, h);
   }
+  InvalidateInKernel(kid);
+}
+
+void RelayCore::InvalidateInKernel(uint64_t kid) {
+  // The kernel's pages and size of the file are what was written, not what the program has
+  // now: dropped, so that what is read next reaches the program (through a lost handle: EIO).
+  fuse_notify_inval_inode_out inval{};
+  inval.ino = kid;
+  inval.off = 0;
+  inval.len = 0;  // to the end
+  fuse_out_header h{};
+  h.len = static_cast<uint32_t>(kOutHeader + sizeof(inval));
+  h.error = FUSE_NOTIFY_INVAL_INODE;
+  h.unique = 0;
+  std::string msg(reinterpret_cast<const char*>(&h), kOutHeader);
+  msg.append(reinterpret_cast<const char*>(&inval), sizeof(inval));
+  ToKernel(msg.data(), msg.size());
 }
 
 // ---- Replies from the program ----
@@ -1061,6 +1081,16 @@ void RelayCore::NoteChange(Request& r, const char* reply, size_t len) {
   };
   const long off = FhOffset(r.opcode, r.msg.data(), r.msg.size());
   const uint64_t kfh = off >= 0 ? Load<uint64_t>(r.msg.data() + off) : 0;
+  // A change of the file's size or blocks by other means than a WRITE: every open handle of it
+  // counts as written (what a death of a close/unmount program loses).
+  auto written = [&](uint64_t kid) {
+    for (auto& [fh, h] : handles_) {
+      if (h.kid == kid && !h.written) {
+        h.written = true;
+        JournalHandle(fh, h);
+      }
+    }
+  };
   switch (r.opcode) {
     case FUSE_WRITE: {
       auto it = handles_.find(kfh);
@@ -1073,13 +1103,15 @@ void RelayCore::NoteChange(Request& r, const char* reply, size_t len) {
       return;
     }
     case FUSE_SETATTR: {
-      if (!keep || r.msg.size() < kInHeader + sizeof(fuse_setattr_in)) return;
+      if (r.msg.size() < kInHeader + sizeof(fuse_setattr_in)) return;
       const auto in = Load<fuse_setattr_in>(r.msg.data() + kInHeader);
       if (!(in.valid & FATTR_SIZE)) return;
-      add(r.node, (in.valid & FATTR_FH) ? in.fh : 0, std::move(r.msg));
+      written(r.node);
+      if (keep) add(r.node, (in.valid & FATTR_FH) ? in.fh : 0, std::move(r.msg));
       return;
     }
     case FUSE_FALLOCATE:
+      written(r.node);
       if (keep && handles_.count(kfh)) add(r.node, kfh, std::move(r.msg));
       return;
     case FUSE_OPEN: {

@@ -214,6 +214,8 @@ class RelayCore {
   void ReplayNext(uint64_t kid);
   void ReplayEnd(uint64_t kid, bool ok, const std::string& why);
   void LoseNode(uint64_t kid, const std::string& why);
+  // Asks the kernel to drop what it caches of a file (its pages and attributes).
+  void InvalidateInKernel(uint64_t kid);
   void SetReady();
   // `as`: a kernel request whose uid and gid the relay's own request carries (a file written
   // again is written as the one who wrote it: a program may check, or record, who that is).
