@@ -184,14 +184,19 @@ class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface
   // kill -9 of every process of the program `launcher` runs (a daemonized one runs on without its
   // parent); returns once the launcher has restarted it for the `nth` time (false: not in 20 s).
   bool KillProgramAndWaitForRestart(Subprocess* launcher, int nth) {
-    std::set<pid_t> procs;
-    if (!WithDeadline([&] {
-           procs = ProgramProcesses(launcher->pid());
-           return !procs.empty();
-         }).value_or(false)) {
-      return false;
+    const std::string ended = "the relay keeps the connection: restarting it";
+    const int ended_before = launcher->CountInStderr(ended);
+    std::set<pid_t> killed;
+    for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);;) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      for (pid_t p : ProgramProcesses(launcher->pid())) {
+        if (killed.insert(p).second) kill(p, SIGKILL);
+      }
+      // A program that was daemonizing as it was killed may have forked a process after the list
+      // was read: the instance has ended only once the launcher says so; until then every process
+      // that shows up is still this instance's (the next one starts after).
+      if (!killed.empty() && launcher->WaitForStderr(ended, ended_before + 1, std::chrono::milliseconds(200))) break;
     }
-    for (pid_t p : procs) kill(p, SIGKILL);
     return launcher->WaitForStderr(absl::StrCat("(", nth, " restart(s) so far)"), 1, std::chrono::milliseconds(20000));
   }
 
