@@ -9,7 +9,7 @@ bool ChangeLog::Add(uint64_t kid, uint64_t kfh, std::string msg, bool durable) {
     return false;
   }
   if (n.bytes + msg.size() > max_node_ || total_ + msg.size() > max_total_) {
-    MakeIncomplete(kid, n, kfh);
+    MakeIncomplete(n, kfh);
     return false;
   }
   n.bytes += msg.size();
@@ -19,9 +19,9 @@ bool ChangeLog::Add(uint64_t kid, uint64_t kfh, std::string msg, bool durable) {
   return true;
 }
 
-void ChangeLog::AddUnrepeatable(uint64_t kid, uint64_t kfh) { MakeIncomplete(kid, nodes_[kid], kfh); }
+void ChangeLog::AddUnrepeatable(uint64_t kid, uint64_t kfh) { MakeIncomplete(nodes_[kid], kfh); }
 
-void ChangeLog::MakeIncomplete(uint64_t kid, NodeChanges& n, uint64_t kfh) {
+void ChangeLog::MakeIncomplete(NodeChanges& n, uint64_t kfh) {
   // Every handle with a change not yet durable must sync before what is kept is whole again.
   for (const Change& c : n.changes) {
     if (!c.durable) n.unsynced_handles.insert(c.kfh);
@@ -31,7 +31,6 @@ void ChangeLog::MakeIncomplete(uint64_t kid, NodeChanges& n, uint64_t kfh) {
   n.bytes = 0;
   n.changes.clear();
   n.incomplete = true;
-  (void)kid;
 }
 
 void ChangeLog::Synced(uint64_t kid, uint64_t kfh) {

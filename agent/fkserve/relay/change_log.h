@@ -67,7 +67,7 @@ class ChangeLog {
   bool empty() const { return nodes_.empty(); }
 
  private:
-  void MakeIncomplete(uint64_t kid, NodeChanges& n, uint64_t kfh);
+  void MakeIncomplete(NodeChanges& n, uint64_t kfh);
   void Trim(uint64_t kid, NodeChanges& n);
 
   uint64_t max_node_;

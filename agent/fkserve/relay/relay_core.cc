@@ -170,7 +170,7 @@ void RelayCore::Dispatch(uint64_t unique) {
     Check(r, unique);
     return;
   }
-  if (holding_ || (!checking_.empty() && !(checking_.size() == 1 && checking_.count(unique) != 0))) {
+  if (holding_ || checking_.size() > checking_.count(unique)) {
     // A request the dead instance may have done (a RENAME, an UNLINK) is being looked at: until
     // it is decided, a path in the relay's table may be one the program no longer has, and a
     // node resolved by it now would be lost for good. And a new instance's kept changes are
@@ -787,12 +787,13 @@ void RelayCore::ProgramStarted() {
     SendOwn(OwnKind::kInit, 0, FUSE_INIT, 0, body);
     return;
   }
-  SetReady();
+  SetReady(/*hold=*/false);
 }
 
-void RelayCore::SetReady() {
+void RelayCore::SetReady(bool hold) {
   ready_ = true;
-  holding_ = false;
+  holding_ = hold;
+  replays_started_ = false;
   std::vector<uint64_t> queue = std::move(queue_);
   queue_.clear();
   std::sort(queue.begin(), queue.end());
@@ -802,12 +803,16 @@ void RelayCore::SetReady() {
 // ---- What a death costs, and kept changes written again ----
 
 void RelayCore::ApplyDeath() {
+  const bool lossy = durability_ == Durability::kAtClose || durability_ == Durability::kAtUnmount;
+  std::set<uint64_t> written;  // files written through any of their handles
+  for (const auto& [kfh, h] : handles_) {
+    if (lossy && h.written) written.insert(h.kid);
+  }
   std::vector<uint64_t> lost;  // kernel handles
   for (auto& [kfh, h] : handles_) {
     bool gone = false;
-    if (durability_ == Durability::kAtClose || durability_ == Durability::kAtUnmount) {
-      // Every handle of a file written through any of them: a reader's too.
-      for (const auto& [other_fh, other] : handles_) gone = gone || (other.kid == h.kid && other.written);
+    if (lossy) {
+      gone = written.count(h.kid) != 0;  // every handle of such a file: a reader's too
     } else if (durability_ == Durability::kAtSync) {
       const NodeChanges* n = changes_.Find(h.kid);
       gone = n != nullptr && n->incomplete;
@@ -1300,15 +1305,7 @@ void RelayCore::OnOwnReply(const fuse_out_header& h, const char* msg, size_t len
       OnInitReply(copy.data(), copy.size(), /*replayed=*/true);
       // First what the dead instance may have done is checked, then kept changes are written
       // again, then everything else goes (MaybeRelease).
-      holding_ = true;
-      replays_started_ = false;
-      ready_ = true;
-      {
-        std::vector<uint64_t> queue = std::move(queue_);
-        queue_.clear();
-        std::sort(queue.begin(), queue.end());
-        for (uint64_t unique : queue) Dispatch(unique);
-      }
+      SetReady(/*hold=*/true);
       MaybeRelease();
       Forgets();
       return;

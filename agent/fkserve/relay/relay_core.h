@@ -216,7 +216,9 @@ class RelayCore {
   void LoseNode(uint64_t kid, const std::string& why);
   // Asks the kernel to drop what it caches of a file (its pages and attributes).
   void InvalidateInKernel(uint64_t kid);
-  void SetReady();
+  // The instance takes requests: the queue goes to Dispatch. `hold`: a new instance of a program
+  // that died, whose checks and replays come first (MaybeRelease).
+  void SetReady(bool hold);
   // `as`: a kernel request whose uid and gid the relay's own request carries (a file written
   // again is written as the one who wrote it: a program may check, or record, who that is).
   uint64_t SendOwn(OwnKind kind, uint64_t id, uint32_t opcode, uint64_t nodeid, const std::string& body,
