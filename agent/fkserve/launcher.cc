@@ -186,8 +186,7 @@ absl::Status CheckDurability(const std::string& durability) {
 relay::Durability ResolveDurability(const LaunchOptions& options) {
   if (auto d = relay::ParseDurability(options.durability)) return *d;
   if (options.program.empty()) return relay::Durability::kAtSync;
-  return relay::KnownDurability(options.program[0], absl::StrJoin(options.program, " "))
-      .value_or(relay::Durability::kAtSync);
+  return relay::KnownDurability(options.program[0]).value_or(relay::Durability::kAtSync);
 }
 
 std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& program, int fd,

@@ -58,13 +58,13 @@ TEST(ChangeLogTest, PastItsBoundANodeIsIncompleteUntilEveryHandleThatChangedItSy
 }
 
 TEST(DurabilityTest, KnownProgramsAndNames) {
-  EXPECT_EQ(KnownDurability("/usr/bin/bindfs", ""), Durability::kAtReply);
-  EXPECT_EQ(KnownDurability("gocryptfs", ""), Durability::kAtReply);
-  EXPECT_EQ(KnownDurability("s3fs", ""), Durability::kAtSync);
-  EXPECT_EQ(KnownDurability("sshfs", ""), Durability::kAtSync);
-  EXPECT_EQ(KnownDurability("rclone", "rclone mount r: x"), Durability::kAtClose);
-  EXPECT_EQ(KnownDurability("fuse-zip", ""), Durability::kAtUnmount);
-  EXPECT_FALSE(KnownDurability("myfs", "").has_value());
+  EXPECT_EQ(KnownDurability("/usr/bin/bindfs"), Durability::kAtReply);
+  EXPECT_EQ(KnownDurability("gocryptfs"), Durability::kAtReply);
+  EXPECT_EQ(KnownDurability("s3fs"), Durability::kAtSync);
+  EXPECT_EQ(KnownDurability("sshfs"), Durability::kAtSync);
+  EXPECT_EQ(KnownDurability("rclone"), Durability::kAtClose);
+  EXPECT_EQ(KnownDurability("fuse-zip"), Durability::kAtUnmount);
+  EXPECT_FALSE(KnownDurability("myfs").has_value());
   for (Durability d : {Durability::kAtReply, Durability::kAtSync, Durability::kAtClose, Durability::kAtUnmount}) {
     EXPECT_EQ(ParseDurability(DurabilityName(d)), d);
   }

@@ -33,9 +33,7 @@ class RelayModelTest : public ProgramsE2ETest {
     const std::string skip = Prepare(prog, &launch);
     if (!skip.empty()) GTEST_SKIP() << skip;
     if (HasFatalFailure()) return;
-    std::vector<std::string> args(prog.args.begin(), prog.args.end());
-    const relay::Durability durability =
-        relay::KnownDurability(prog.args[0], absl::StrJoin(args, " ")).value_or(relay::Durability::kAtSync);
+    const relay::Durability durability = relay::KnownDurability(prog.args[0]).value_or(relay::Durability::kAtSync);
     const bool zero_errors = durability == relay::Durability::kAtReply || durability == relay::Durability::kAtSync;
     const char* env = getenv("FUSEKEEPER_MODEL_KILLS");
     const int kills = env != nullptr ? atoi(env) : 20;

@@ -25,7 +25,7 @@ std::optional<Durability> ParseDurability(absl::string_view name) {
   return std::nullopt;
 }
 
-std::optional<Durability> KnownDurability(absl::string_view program, absl::string_view args) {
+std::optional<Durability> KnownDurability(absl::string_view program) {
   const size_t slash = program.rfind('/');
   if (slash != absl::string_view::npos) program.remove_prefix(slash + 1);
   // Write into their backing store (a local file system) before they answer.
@@ -39,12 +39,9 @@ std::optional<Durability> KnownDurability(absl::string_view program, absl::strin
   // fuse2fs writes through libext2fs's block cache; the image is whole only once unmounted (an
   // fsync did not keep a kill from losing data in the model-checking writer's runs).
   if (program == "fuse-zip" || program == "archivemount" || program == "fuse2fs") return Durability::kAtUnmount;
-  if (program == "rclone") {
-    // Without a write cache rclone streams an open file to a partial object that exists only
-    // once closed; with one it uploads after close (and a write-back delay).
-    (void)args;
-    return Durability::kAtClose;
-  }
+  // Without a write cache rclone streams an open file to a partial object that exists only once
+  // closed; with one it uploads after close (and a write-back delay): either way, after close.
+  if (program == "rclone") return Durability::kAtClose;
   return std::nullopt;
 }
 

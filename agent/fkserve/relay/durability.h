@@ -30,9 +30,8 @@ const char* DurabilityName(Durability d);
 // The names above; nullopt for anything else.
 std::optional<Durability> ParseDurability(absl::string_view name);
 // What a known program does, by the base name of its executable (as launched: "bindfs",
-// "/usr/bin/s3fs"; rclone's mode depends on its subcommand and flags, so its whole argv is
-// wanted: `args` joined by spaces); nullopt: unknown (the launcher then assumes kAtSync, which
-// is right for every program that stores data no later than FSYNC/FLUSH).
-std::optional<Durability> KnownDurability(absl::string_view program, absl::string_view args);
+// "/usr/bin/s3fs"); nullopt: unknown (the launcher then assumes kAtSync, which is right for
+// every program that stores data no later than FSYNC/FLUSH).
+std::optional<Durability> KnownDurability(absl::string_view program);
 
 }  // namespace fusekeeper::relay
