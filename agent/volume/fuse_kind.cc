@@ -578,8 +578,6 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
   // the node's disk. Its connection is aborted instead, so that everything waiting on it (a
   // container being created stats its mounts) fails fast with ENOTCONN, and the endpoint keeps
   // listening: a server that connects later gets a fresh connection stacked on this mount.
-  ep->second.gave_up = true;
-  ep->second.endpoint->ExpectAbort();
   const bool was_served = ep->second.endpoint->served();
   const std::string message =
       was_served
@@ -596,11 +594,21 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
                          v->fuse().server_uid(), ", that it is given that socket path",
                          v->staging_path().empty() ? " (the pod's emptyDir named in volume_context socketVolume)" : "",
                          ", and its logs");
-  ep->second.gone_reason = message;
-  host_.Event(*v, "Warning", was_served ? "FuseServerNotServing" : "FuseServerNeverConnected", message);
-  const PathMounts mounts = MountsAt(*v, path);
+  GiveUpOnConnection(ep->second, *v, path, std::move(claim),
+                     was_served ? "FuseServerNotServing" : "FuseServerNeverConnected", message,
+                     "handoff timeout: abort the unserved connection");
+}
+
+void FuseKind::GiveUpOnConnection(Endpoint& e, const state::Volume& v, const std::string& path,
+                                  ClaimQueue::Claim claim, const char* reason, const std::string& message,
+                                  const char* job) {
+  e.gave_up = true;
+  e.endpoint->ExpectAbort();
+  e.gone_reason = message;
+  host_.Event(v, "Warning", reason, message);
+  const PathMounts mounts = MountsAt(v, path);
   host_.RunClaimed(std::move(claim),
-                   KindJob{"handoff timeout: abort the unserved connection",
+                   KindJob{job,
                            [ctx = host_.ops_context(), path, mounts]() -> absl::StatusOr<AdoptFn> {
                              AbortConnectionsAtBlocking(*ctx.kubelet, path,
                                                         {mounts.top.dev_minor(), mounts.base.dev_minor()});
@@ -674,8 +682,6 @@ void FuseKind::OnInitTimeout(const std::string& volume_id, const std::string& pa
   // As for a server that never came (OnHandoffTimeout): the mount stays, its connection is
   // aborted so that everything waiting on it (kubelet's checks too) fails fast, and the next
   // server that connects gets a fresh connection stacked on the mount.
-  ep->second.gave_up = true;
-  ep->second.endpoint->ExpectAbort();
   ++servers_not_answering_;
   const std::string message = absl::StrCat(
       "its FUSE server (", server, ") took the connection of volume ", volume_id, " and did not answer the kernel's "
@@ -683,17 +689,8 @@ void FuseKind::OnInitTimeout(const std::string& volume_id, const std::string& pa
       "; the connection was aborted, so the mount fails fast (ENOTCONN) instead of hanging, until a server that "
       "answers connects to ", v->fuse().socket_path(), " (it gets a fresh connection). Check that the server "
       "serves the fd it was handed (a launched program: /dev/fd/{fd} or {mountpoint}) and its logs");
-  ep->second.gone_reason = message;
-  host_.Event(*v, "Warning", "FuseServerNotAnswering", message);
-  const PathMounts mounts = MountsAt(*v, path);
-  host_.RunClaimed(std::move(claim),
-                   KindJob{"init timeout: abort the connection its server does not answer",
-                           [ctx = host_.ops_context(), path, mounts]() -> absl::StatusOr<AdoptFn> {
-                             AbortConnectionsAtBlocking(*ctx.kubelet, path,
-                                                        {mounts.top.dev_minor(), mounts.base.dev_minor()});
-                             return AdoptFn([] { return VolumeChange::Keep(); });
-                           }},
-                   nullptr);
+  GiveUpOnConnection(ep->second, *v, path, std::move(claim), "FuseServerNotAnswering", message,
+                     "init timeout: abort the connection its server does not answer");
 }
 
 }  // namespace fusekeeper

@@ -134,6 +134,11 @@ class FuseKind final : public VolumeKind {
   // completes it, harmlessly).
   void StopAnswerProbe(Endpoint& e);
   void OnInitTimeout(const std::string& volume_id, const std::string& path);
+  // Loop thread. Either timeout's end: the mount stays, its connection is aborted (so everything
+  // waiting on it fails fast with ENOTCONN), a Warning `reason` says `message`, and the next
+  // server that connects gets a fresh connection.
+  void GiveUpOnConnection(Endpoint& e, const state::Volume& v, const std::string& path, ClaimQueue::Claim claim,
+                          const char* reason, const std::string& message, const char* job);
   void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
   void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
   // Gives the volume a fresh connection and re-binds its targets.
