@@ -138,6 +138,19 @@ class RelayCoreTest : public ::testing::Test {
     in.size = size;
     return Bytes(in);
   }
+  // A WRITE's body; a RENAME's, from one name to another in the root.
+  static std::string WriteBody(uint64_t fh, uint64_t off, const std::string& data) {
+    fuse_write_in in{};
+    in.fh = fh;
+    in.offset = off;
+    in.size = static_cast<uint32_t>(data.size());
+    return Bytes(in) + data;
+  }
+  static std::string RenameBody(const std::string& from, const std::string& to) {
+    fuse_rename_in in{};
+    in.newdir = FUSE_ROOT_ID;
+    return Bytes(in) + from + '\0' + to + '\0';
+  }
   std::string Read(uint64_t node, uint64_t fh) {
     const std::string r = Call(FUSE_READ, node, ReadBody(node, fh, 0, 4096));
     if (ErrorOf(r) != 0) return absl::StrCat("error ", ErrorOf(r));
@@ -282,9 +295,7 @@ TEST_F(RelayCoreTest, APathRenamedBeforeTheRestartResolvesUnderItsNewName) {
   Init();
   const uint64_t kd = Lookup(FUSE_ROOT_ID, "old");
   const uint64_t kf = Lookup(kd, "f");
-  fuse_rename_in in{};
-  in.newdir = FUSE_ROOT_ID;
-  ASSERT_EQ(ErrorOf(Call(FUSE_RENAME, FUSE_ROOT_ID, Bytes(in) + "old" + '\0' + "new" + '\0')), 0);
+  ASSERT_EQ(ErrorOf(Call(FUSE_RENAME, FUSE_ROOT_ID, RenameBody("old", "new"))), 0);
   Kill();
   Start();
   Pump();
@@ -305,9 +316,7 @@ TEST_F(RelayCoreTest, WorkTheDeadProgramDidIsNotDoneTwice) {
   mk.mode = 0755;
   const uint64_t mkdir = Send(FUSE_MKDIR, FUSE_ROOT_ID, Bytes(mk) + "made" + '\0');
   // RENAME done, reply lost.
-  fuse_rename_in rn{};
-  rn.newdir = FUSE_ROOT_ID;
-  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, Bytes(rn) + "src" + '\0' + "dst" + '\0');
+  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, RenameBody("src", "dst"));
   DoWorkThenKill();
   Start();
   Pump();
@@ -331,9 +340,7 @@ TEST_F(RelayCoreTest, ARenameTheDeadProgramDidIsDecidedBeforeTheFileIsLookedUpAg
   Init();
   const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
   const uint64_t fh = Open(ka, O_RDONLY);
-  fuse_rename_in in{};
-  in.newdir = FUSE_ROOT_ID;
-  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, Bytes(in) + std::string("a\0b\0", 4));
+  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, RenameBody("a", "b"));
   DoWorkThenKill();  // renamed on the disk; the answer never got out
   const uint64_t getattr = Send(FUSE_GETATTR, ka, Bytes(fuse_getattr_in{}));
   Start();
@@ -356,13 +363,8 @@ TEST_F(RelayCoreTest, KeptChangesOfAFileTheDeadProgramRenamedAreWrittenUnderItsN
   Init();
   const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
   const uint64_t fh = Open(ka, O_RDWR);
-  fuse_write_in w{};
-  w.fh = fh;
-  w.size = 4;
-  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, ka, Bytes(w) + "kept")), 0);
-  fuse_rename_in in{};
-  in.newdir = FUSE_ROOT_ID;
-  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, Bytes(in) + std::string("a\0b\0", 4));
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, ka, WriteBody(fh, 0, "kept"))), 0);
+  const uint64_t rename = Send(FUSE_RENAME, FUSE_ROOT_ID, RenameBody("a", "b"));
   DoWorkThenKill();  // renamed (its data still only in the dead instance); the answer never got out
   Start();
   prog_->keeps_writes_until_sync = true;
@@ -387,13 +389,8 @@ TEST_F(RelayCoreTest, AFileTheDeadProgramHadNotMadeYetIsMadeAgainWithItsChanges)
   ASSERT_EQ(ErrorOf(r), 0);
   const uint64_t kn = Load<fuse_entry_out>(r.data() + sizeof(fuse_out_header)).nodeid;
   const uint64_t fh = Load<fuse_open_out>(r.data() + sizeof(fuse_out_header) + sizeof(fuse_entry_out)).fh;
-  fuse_write_in w{};
-  w.fh = fh;
-  w.size = 4;
-  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, kn, Bytes(w) + "data")), 0);
-  fuse_rename_in mv{};
-  mv.newdir = FUSE_ROOT_ID;
-  ASSERT_EQ(ErrorOf(Call(FUSE_RENAME, FUSE_ROOT_ID, Bytes(mv) + std::string("new\0moved\0", 10))), 0);
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, kn, WriteBody(fh, 0, "data"))), 0);
+  ASSERT_EQ(ErrorOf(Call(FUSE_RENAME, FUSE_ROOT_ID, RenameBody("new", "moved"))), 0);
   EXPECT_EQ(disk_.inodes[1].children.count("moved"), 0u) << "only the instance knows it";
   Kill();
   Start();
@@ -407,8 +404,8 @@ TEST_F(RelayCoreTest, AFileTheDeadProgramHadNotMadeYetIsMadeAgainWithItsChanges)
 }
 
 // A program that keeps written data until it syncs (s3fs) dies after answering WRITEs: the
-// relay writes them again into the reopened handle, so the app's fsync after the restart makes
-// them durable instead of succeeding over lost data.
+// relay writes them again into the file (through a handle of its own, then a FLUSH) before the
+// new instance sees any request, so nothing the app was told was written is lost.
 TEST_F(RelayCoreTest, WritesTheDeadProgramHadNotSyncedAreWrittenAgain) {
   const uint64_t ino = disk_.Make(1, "f", false, "");
   Start();
@@ -416,13 +413,7 @@ TEST_F(RelayCoreTest, WritesTheDeadProgramHadNotSyncedAreWrittenAgain) {
   Init();
   const uint64_t kf = Lookup(FUSE_ROOT_ID, "f");
   const uint64_t fh = Open(kf, O_WRONLY | O_APPEND);
-  auto write = [&](uint64_t off, const std::string& data) {
-    fuse_write_in in{};
-    in.fh = fh;
-    in.offset = off;
-    in.size = static_cast<uint32_t>(data.size());
-    return ErrorOf(Call(FUSE_WRITE, kf, Bytes(in) + data));
-  };
+  auto write = [&](uint64_t off, const std::string& data) { return ErrorOf(Call(FUSE_WRITE, kf, WriteBody(fh, off, data))); };
   ASSERT_EQ(write(0, "synced "), 0);
   fuse_fsync_in sync{};
   sync.fh = fh;
@@ -454,10 +445,7 @@ TEST_F(RelayCoreTest, ANewLauncherCarriesOnFromTheJournal) {
   const uint64_t kg = Lookup(kd, "g");
   const uint64_t fh = Open(kf, O_WRONLY);
   const uint64_t gh = Open(kg, O_RDONLY);
-  fuse_write_in in{};
-  in.fh = fh;
-  in.size = 8;
-  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, kf, Bytes(in) + "accepted")), 0);
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, kf, WriteBody(fh, 0, "accepted"))), 0);
   const uint64_t read = Send(FUSE_READ, kg, ReadBody(kg, gh, 0, 4096));  // read by the launcher, then it dies
   KillLauncher();
   EXPECT_TRUE(ReplyTo(read).empty()) << "nothing answers before a program serves";
@@ -893,23 +881,20 @@ TEST_F(RelayCoreTest, PropertyReplayedChangesMatchAFileModel) {
           case 0:
           case 1:
           case 2: {  // pwrite (holes included)
-            fuse_write_in in{};
-            in.fh = h.fh;
-            in.offset = rng() % (model[f].size() + 64);
+            const uint64_t off = rng() % (model[f].size() + 64);
             const std::string data(1 + rng() % 48, static_cast<char>('a' + rng() % 26));
-            in.size = static_cast<uint32_t>(data.size());
             // Sometimes the program does it and dies before its answer gets out: the kernel's
             // request waits and goes to the next instance.
             const bool die = rng() % 8 == 0;
-            const uint64_t u = Send(FUSE_WRITE, kids[f], Bytes(in) + data);
+            const uint64_t u = Send(FUSE_WRITE, kids[f], WriteBody(h.fh, off, data));
             if (die) {
               DoWorkThenKill();
               start();
             }
             Pump();
             if (check(ReplyTo(u), "WRITE")) {
-              if (model[f].size() < in.offset + data.size()) model[f].resize(in.offset + data.size());
-              model[f].replace(in.offset, data.size(), data);
+              if (model[f].size() < off + data.size()) model[f].resize(off + data.size());
+              model[f].replace(off, data.size(), data);
             }
             break;
           }
