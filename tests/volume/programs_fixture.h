@@ -193,9 +193,11 @@ class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface
         if (killed.insert(p).second) kill(p, SIGKILL);
       }
       // A program that was daemonizing as it was killed may have forked a process after the list
-      // was read: the instance has ended only once the launcher says so; until then every process
-      // that shows up is still this instance's (the next one starts after).
-      if (!killed.empty() && launcher->WaitForStderr(ended, ended_before + 1, std::chrono::milliseconds(200))) break;
+      // was read: the instance has ended only once the launcher says so, and the launcher says
+      // it before it starts the next instance. Its words reach us a little later (a pipe and a
+      // reader thread): the list is read again only after 2 s without them, long past that delay
+      // even under load, so the next instance's processes are never taken for this one's.
+      if (!killed.empty() && launcher->WaitForStderr(ended, ended_before + 1, std::chrono::milliseconds(2000))) break;
     }
     return launcher->WaitForStderr(absl::StrCat("(", nth, " restart(s) so far)"), 1, std::chrono::milliseconds(20000));
   }
