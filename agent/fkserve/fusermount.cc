@@ -121,6 +121,11 @@ void FusermountService::AddProblem(const std::string& p) {
   if (on_problem_) on_problem_(p);
 }
 
+void FusermountService::OnClaim(ClaimHandler fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_claim_ = std::move(fn);
+}
+
 bool FusermountService::handed() {
   std::lock_guard<std::mutex> lock(mu_);
   return handed_;
@@ -153,6 +158,18 @@ void FusermountService::Answer(int conn) {
     AddProblem(absl::StrCat("refused: ", why));
     SendWithFd(conn, why, -1);
   };
+  if (lines.size() == 3 && lines[0] == "claim") {
+    ClaimHandler claim;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      claim = on_claim_;
+    }
+    if (!claim) {
+      SendWithFd(conn, "refused: this launcher relays the connection itself", -1);
+      return;
+    }
+    return claim(conn, lines[1], lines[2]);
+  }
   if (lines.size() != 3 || lines[0] != "mount") return refuse("a request that is not fkserve's fusermount's");
   bool second = false;
   {

@@ -52,6 +52,11 @@ class FusermountService {
   // `fn` gets every problem (those so far at once, later ones as they happen), on the service's
   // thread or the caller's.
   void OnProblem(std::function<void(const std::string&)> fn);
+  // The program's preload library claims the kernel's connection (relay/in_program.h): `fn`
+  // gets the request's socket (to answer, and keep) and its two lines (socket inode, read
+  // size), on the service's thread. Without one, claims are refused. Before the program starts.
+  using ClaimHandler = std::function<void(int conn, const std::string& inode, const std::string& read_size)>;
+  void OnClaim(ClaimHandler fn);
 
  private:
   FusermountService() = default;
@@ -63,6 +68,7 @@ class FusermountService {
   bool handed_ = false;                 // guarded by mu_
   std::vector<std::string> problems_;   // guarded by mu_
   std::function<void(const std::string&)> on_problem_;  // guarded by mu_
+  ClaimHandler on_claim_;                               // guarded by mu_
   void AddProblem(const std::string& p);
   std::thread thread_;
 };

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,6 +28,7 @@
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/relay/in_program.h"
 #include "agent/fkserve/relay/relay.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/fkserve/stop_signals.h"
@@ -211,10 +213,17 @@ struct Instance {
 
 // Starts the program on `conn` (the connection, or the relay's socket for it). Blocking until
 // exec has worked or failed; false with *error if it could not start.
-bool Spawn(const LaunchOptions& o, const PrivateDir& dir, int conn, Instance* inst, std::string* error) {
+// `claim`: relayed, what answers the preload library's claim of the kernel's connection
+// (relay/in_program.h).
+bool Spawn(const LaunchOptions& o, const PrivateDir& dir, int conn, Instance* inst, std::string* error,
+           FusermountService::ClaimHandler claim = nullptr) {
   unlink(dir.socket.c_str());  // an earlier instance's
   inst->service = FusermountService::Start(dir.socket, conn, o.read_only, error);
   if (!inst->service) return false;
+  const bool relayed = claim != nullptr;
+  inst->service->OnClaim(std::move(claim));
+  struct stat conn_st{};
+  fstat(conn, &conn_st);
   // The program also inherits the connection as a plain (non close-on-exec) fd: /dev/fd/{fd},
   // and the preload library's stand-in for a missing /dev/fuse.
   const int inherit = fcntl(conn, F_DUPFD, 3);
@@ -245,11 +254,23 @@ bool Spawn(const LaunchOptions& o, const PrivateDir& dir, int conn, Instance* in
     setenv(kFuseFdEnv, std::to_string(inherit).c_str(), 1);
     setenv(kServiceSocketEnv, dir.socket.c_str(), 1);
     setenv(kFusermountEnv, absl::StrCat(dir.bin, "/fusermount3").c_str(), 1);
-    // A program given /dev/fd/{fd} mounts nothing: it needs no fusermount, and no library in its
-    // way (a sanitized program must load its runtime first).
+    if (relayed) {
+      // The preload library claims the kernel's connection at the first read of this socket.
+      setenv(relay::kRelaySocketEnv, std::to_string(conn_st.st_ino).c_str(), 1);
+    } else {
+      unsetenv(relay::kRelaySocketEnv);
+    }
+    // A program given /dev/fd/{fd} mounts nothing: it needs no fusermount, but relayed it takes
+    // the relay's core (a sanitized program must load its runtime first: ASan is told the
+    // preload library comes before it).
     bool given_fd = false;
     for (const std::string& a : o.program) given_fd = given_fd || a.find("{fd}") != std::string::npos;
-    if (!o.preload.empty() && !given_fd) {
+    if (given_fd && relayed) {
+      const char* asan = getenv("ASAN_OPTIONS");
+      setenv("ASAN_OPTIONS", absl::StrCat(asan != nullptr && asan[0] ? absl::StrCat(asan, ":") : "",
+                                          "verify_asan_link_order=0").c_str(), 1);
+    }
+    if (!o.preload.empty() && (!given_fd || relayed)) {
       const char* old = getenv("LD_PRELOAD");
       setenv("LD_PRELOAD", old != nullptr && old[0] ? absl::StrCat(o.preload, ":", old).c_str() : o.preload.c_str(), 1);
     }
@@ -384,6 +405,66 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
   std::atomic<bool> connection_ended{false};
   std::string adopted;  // relayed, carrying on from a dead launcher: what was restored (else "")
   std::unique_ptr<relay::Relay> relay;
+  std::atomic<int> restarts{0};  // instances started after the first
+  // A new instance serves: the agent hears it (an Event, and the recovery's metrics).
+  auto notice_restart = [&, name](std::chrono::nanoseconds took, uint64_t resent, uint64_t resolved,
+                                  uint64_t reopened, uint64_t failures) {
+    const int n = restarts.load();
+    if (n == 0 && adopted.empty()) return;
+    std::lock_guard<std::mutex> lock(link_mu);
+    const std::string text = absl::StrCat(
+        "relay: ", name, " restarted (", n + (adopted.empty() ? 0 : 1), " restart(s) so far) after ",
+        n == 0 ? adopted : absl::StrCat("it ", last_death), "; serving again ",
+        std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+        " ms after its start, with the connection kept: ", resent, " request(s) resent, ", resolved,
+        " node(s) looked up again, ", reopened, " handle(s) reopened, ", failures,
+        " request(s) that could not be restored so far");
+    fprintf(stderr, "fkserve: %s\n", text.c_str());
+    if (link_for_callbacks != nullptr) {
+      link_for_callbacks->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+    }
+  };
+  // The relay's core in the program (relay/in_program.h): the current instance's socket, whether
+  // its preload library claimed the kernel's connection, and whether it has served since.
+  struct InProgramState {
+    std::mutex mu;
+    ino_t socket_ino = 0;
+    std::chrono::steady_clock::time_point started;
+    bool claimed = false;
+    bool served = false;
+    std::vector<std::thread> readers;  // one per claim: the instance's reports, until it ends
+  } ip;
+  auto claim = [&, name](int conn, const std::string& inode, const std::string&) {
+    std::lock_guard<std::mutex> lock(ip.mu);
+    if (relay == nullptr || inode != std::to_string(ip.socket_ino) || ip.claimed) {
+      SendWithFd(conn, "refused: not the current instance's connection", -1);
+      return;
+    }
+    if (!relay->HandOver()) {
+      SendWithFd(conn, "refused: the instance has talked to the relay already", -1);
+      return;
+    }
+    ip.claimed = true;
+    SendWithFd(conn, absl::StrCat("ok\n", relay::DurabilityName(relay->durability())), fuse_fd.get());
+    SendWithFd(conn, "journal", relay->state_fd());
+    fprintf(stderr, "fkserve: %s reads the kernel's connection itself, the relay's core in it\n", name.c_str());
+    ip.readers.emplace_back([&, report = UniqueFd(fcntl(conn, F_DUPFD_CLOEXEC, 3)), started = ip.started] {
+      char buf[512];
+      while (true) {
+        const ssize_t n = recv(report.get(), buf, sizeof(buf) - 1, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return;  // the instance has ended
+        buf[n] = '\0';
+        unsigned long long resent = 0, resolved = 0, reopened = 0, failures = 0;
+        if (sscanf(buf, "served\n%llu %llu %llu %llu", &resent, &resolved, &reopened, &failures) != 4) continue;
+        {
+          std::lock_guard<std::mutex> lock(ip.mu);
+          ip.served = true;
+        }
+        notice_restart(std::chrono::steady_clock::now() - started, resent, resolved, reopened, failures);
+      }
+    });
+  };
   if (o.relay) {
     relay::RelayCallbacks cb;
     cb.log = [](const std::string& line) { fprintf(stderr, "fkserve: %s\n", line.c_str()); };
@@ -396,20 +477,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
         for (pid_t pid : Children()) kill(pid, SIGTERM);
       }).detach();
     };
-    cb.first_answer = [&, name](std::chrono::nanoseconds took, const relay::RelayStats& st) {
-      if (st.instances <= 1 && adopted.empty()) return;
-      std::lock_guard<std::mutex> lock(link_mu);
-      const std::string text = absl::StrCat(
-          "relay: ", name, " restarted (", st.instances - 1 + (adopted.empty() ? 0 : 1),
-          " restart(s) so far) after ", st.instances <= 1 ? adopted : absl::StrCat("it ", last_death),
-          "; serving again ", std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
-          " ms after its start, with the connection kept: ", st.resent, " request(s) resent, ", st.resolved,
-          " node(s) looked up again, ", st.reopened, " handle(s) reopened, ", st.restore_failures,
-          " request(s) that could not be restored so far");
-      fprintf(stderr, "fkserve: %s\n", text.c_str());
-      if (link_for_callbacks != nullptr) {
-        link_for_callbacks->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
-      }
+    cb.first_answer = [&notice_restart](std::chrono::nanoseconds took, const relay::RelayStats& st) {
+      notice_restart(took, st.resent, st.resolved, st.reopened, st.restore_failures);
     };
     cb.program_unresponsive = [&, name](const std::string& why, bool initialized) {
       // Every process of this instance (the launcher is a subreaper: what it left running too).
@@ -470,14 +539,24 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     auto theirs = relay->NewInstanceSocket();
     if (!theirs.ok()) return -1;
     *holder = std::move(*theirs);
+    struct stat st{};
+    fstat(holder->get(), &st);
+    std::lock_guard<std::mutex> lock(ip.mu);
+    ip.socket_ino = st.st_ino;
+    ip.started = std::chrono::steady_clock::now();
+    ip.claimed = ip.served = false;
     return holder->get();
   };
+  FusermountService::ClaimHandler claim_handler = nullptr;
+  if (relay) claim_handler = claim;
   Instance inst;
   {
     UniqueFd theirs;
     const int conn = connection_for_instance(&theirs);
     if (conn < 0) return fail(5, "the relay could not make a socket for the program");
-    if (!Spawn(o, dir, conn, &inst, &error)) return fail(absl::StartsWith(error, "could not start") ? 127 : 5, error);
+    if (!Spawn(o, dir, conn, &inst, &error, claim_handler)) {
+      return fail(absl::StartsWith(error, "could not start") ? 127 : 5, error);
+    }
   }
   ReplyToAgent(sock, true, "", false, "", /*relayed=*/relay != nullptr, relay ? relay->state_fd() : -1);
   if (o.mark_ready) o.mark_ready(true);
@@ -515,6 +594,26 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
       killed.swap(killed_because);
     }
     if (!killed.empty()) end.why = absl::StrCat(name, " ", killed, "; fkserve killed it (", end.why, ")");
+    // An instance that served with the relay's core in it: the relay carries on from what that
+    // core journaled, as after a launcher's death.
+    bool in_program = false, in_program_served = false;
+    {
+      std::lock_guard<std::mutex> lock(ip.mu);
+      in_program = ip.claimed;
+      in_program_served = ip.served;
+      ip.claimed = ip.served = false;
+    }
+    if (relay && in_program) {
+      if (absl::Status taken = relay->TakeBack(); !taken.ok()) {
+        // ENODEV: the connection ended (unmounted), which is why the program stopped.
+        if (absl::StrContains(taken.message(), strerror(ENODEV))) {
+          connection_ended = true;
+        } else {
+          end.why = absl::StrCat(end.why, "; the relay cannot carry on from its state: ", taken.message());
+          break;
+        }
+      }
+    }
     if (!relay || stop_requested || connection_ended || pending_stop_signal != 0) break;
     // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
     // its end is reported at once, as for a direct one.
@@ -526,7 +625,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     // relay's to refuse, after three).
     if (std::chrono::steady_clock::now() - inst.started >= o.stable_after) young_deaths = 0;
     ++young_deaths;
-    silent_deaths = st.program_answers_since_start > 0 ? 0 : silent_deaths + 1;
+    const bool answered = in_program ? in_program_served : st.program_answers_since_start > 0;
+    silent_deaths = answered ? 0 : silent_deaths + 1;
     if (silent_deaths > o.max_restarts) {
       end.why = absl::StrCat(end.why, "; gave up after ", o.max_restarts,
                              " restarts in a row that each died before answering a request");
@@ -544,8 +644,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     if (delay.count() > 0 && !SleepUnlessStopped(delay)) break;
     Instance next;
     UniqueFd theirs;
+    ++restarts;
     const int conn = connection_for_instance(&theirs);
-    if (conn < 0 || !Spawn(o, dir, conn, &next, &error)) {
+    if (conn < 0 || !Spawn(o, dir, conn, &next, &error, claim_handler)) {
       // No instance to wait for: this attempt is the next death (young, and silent).
       end.why = absl::StrCat("restarting ", name, ": ", conn < 0 ? "the relay could not make a socket" : error);
       end.status = 127 << 8;  // as a wait status: exited 127, could not be started
@@ -570,6 +671,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     link_for_callbacks = nullptr;
   }
   if (relay) relay->Stop();
+  for (std::thread& t : ip.readers) t.join();  // every process of the program has ended
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
   // Relayed, the program cannot tell an unmount from its connection closing: the volume was

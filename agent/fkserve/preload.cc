@@ -15,14 +15,25 @@
 //    offers splice whatever the kernel's INIT says), and a splice into a socket sends a message
 //    per pipe buffer, so the reply would arrive in pieces. A splice into a SOCK_SEQPACKET socket
 //    is done here instead as a read of the pipe and one send.
+//  - The relay's core runs here, in the program (relay/in_program.h): at the program's first read
+//    of its connection (the launcher's socket, $FKSERVE_RELAY_SOCKET), the library claims the
+//    kernel's connection from the launcher; from then on read/readv/write/writev of that fd (and
+//    a splice of a reply into it) go through the core. A FUSE_DEV_IOC_CLONE of it is refused
+//    (libfuse3's clone_fd then goes on with the one fd). Refused or failed, the program stays on
+//    the socket: relayed by the launcher.
 // Go programs (go-fuse, bazil) exec fusermount from $PATH, where the launcher puts fkserve's
-// first; they do not need this library. Static binaries ignore LD_PRELOAD.
+// first; they do not need this library. Static binaries ignore LD_PRELOAD: they stay relayed.
+// Only the interposed functions are exported (built with -fvisibility=hidden).
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/fuse.h>
+#include <linux/ioctl.h>
+#include <pthread.h>
+#include <sys/uio.h>
 #include <spawn.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -30,6 +41,17 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/relay/in_program.h"
+
+#define FK_EXPORT __attribute__((visibility("default")))
 
 namespace {
 
@@ -68,13 +90,129 @@ bool IsSeqpacketSocket(int fd) {
   return getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_SEQPACKET;
 }
 
+// The relay's core in this process, once claimed (never freed: the program may read until exit).
+fusekeeper::relay::InProgram* in_program = nullptr;
+std::atomic<int> conn_fd{-1};        // the program's connection fd, once claimed
+std::atomic<bool> claim_done{false};  // claimed, refused, or not for this process
+pthread_mutex_t claim_mu = PTHREAD_MUTEX_INITIALIZER;
+unsigned long long relay_ino = 0;  // $FKSERVE_RELAY_SOCKET
+
+__attribute__((constructor)) void ReadEnvironment() {
+  const char* text = getenv(fusekeeper::relay::kRelaySocketEnv);
+  if (text == nullptr || text[0] == '\0') {
+    claim_done = true;
+    return;
+  }
+  relay_ino = strtoull(text, nullptr, 10);
+  if (relay_ino == 0) claim_done = true;
+}
+
+// At a read of `fd` that may be the program's first of its connection: claims the kernel's
+// connection if it is. True if `fd` is now served in the program.
+bool MaybeClaim(int fd, size_t count) {
+  // The kernel insists on reads of at least FUSE_MIN_READ_BUFFER from a connection; smaller
+  // ones are someone else's.
+  if (claim_done.load(std::memory_order_relaxed) || count < FUSE_MIN_READ_BUFFER) return false;
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode) || st.st_ino != relay_ino) return false;
+  pthread_mutex_lock(&claim_mu);
+  if (!claim_done) {
+    const char* service = getenv(fusekeeper::kServiceSocketEnv);
+    std::string why;
+    auto p = fusekeeper::relay::InProgram::Claim(service != nullptr ? service : "", fd, count, &why);
+    if (p) {
+      in_program = p.release();
+      conn_fd = fd;
+    } else {
+      fprintf(stderr, "fkserve: the relay stays in the launcher for this instance: %s\n", why.c_str());
+    }
+    claim_done = true;
+  }
+  pthread_mutex_unlock(&claim_mu);
+  return conn_fd.load() == fd;
+}
+
+bool Ours(int fd) { return fd >= 0 && conn_fd.load(std::memory_order_relaxed) == fd; }
+
+ssize_t ReadVector(int fd, const iovec* iov, int iovcnt) {
+  size_t total = 0;
+  for (int i = 0; i < iovcnt; ++i) total += iov[i].iov_len;
+  if (iovcnt == 1) return in_program->Read(iov[0].iov_base, iov[0].iov_len);
+  std::vector<char> buf(total);
+  const ssize_t n = in_program->Read(buf.data(), total);
+  if (n <= 0) return n;
+  size_t at = 0;
+  for (int i = 0; i < iovcnt && at < static_cast<size_t>(n); ++i) {
+    const size_t take = std::min(iov[i].iov_len, static_cast<size_t>(n) - at);
+    memcpy(iov[i].iov_base, buf.data() + at, take);
+    at += take;
+  }
+  return n;
+}
+
 }  // namespace
 
 extern "C" {
 
-ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out, size_t len, unsigned int flags) {
+FK_EXPORT ssize_t read(int fd, void* buf, size_t count) {
+  static auto real = Next<ssize_t (*)(int, void*, size_t)>("read");
+  if (Ours(fd) || MaybeClaim(fd, count)) return in_program->Read(buf, count);
+  return real(fd, buf, count);
+}
+
+FK_EXPORT ssize_t __read_chk(int fd, void* buf, size_t count, size_t buflen) {
+  static auto real = Next<ssize_t (*)(int, void*, size_t, size_t)>("__read_chk");
+  if (Ours(fd) || MaybeClaim(fd, count)) return in_program->Read(buf, count);
+  return real(fd, buf, count, buflen);
+}
+
+FK_EXPORT ssize_t readv(int fd, const iovec* iov, int iovcnt) {
+  static auto real = Next<ssize_t (*)(int, const iovec*, int)>("readv");
+  if (Ours(fd)) return ReadVector(fd, iov, iovcnt);
+  if (iovcnt > 0) {
+    size_t total = 0;
+    for (int i = 0; i < iovcnt; ++i) total += iov[i].iov_len;
+    if (MaybeClaim(fd, total)) return ReadVector(fd, iov, iovcnt);
+  }
+  return real(fd, iov, iovcnt);
+}
+
+FK_EXPORT ssize_t write(int fd, const void* buf, size_t count) {
+  static auto real = Next<ssize_t (*)(int, const void*, size_t)>("write");
+  if (!Ours(fd)) return real(fd, buf, count);
+  iovec iov{const_cast<void*>(buf), count};
+  return in_program->Write(&iov, 1);
+}
+
+FK_EXPORT ssize_t writev(int fd, const iovec* iov, int iovcnt) {
+  static auto real = Next<ssize_t (*)(int, const iovec*, int)>("writev");
+  if (!Ours(fd)) return real(fd, iov, iovcnt);
+  return in_program->Write(iov, iovcnt);
+}
+
+FK_EXPORT int ioctl(int fd, unsigned long request, ...) {
+  static auto real = Next<int (*)(int, unsigned long, ...)>("ioctl");
+  va_list ap;
+  va_start(ap, request);
+  void* arg = va_arg(ap, void*);
+  va_end(ap);
+  // A clone of the connection would read the kernel past the core.
+  if (request == FUSE_DEV_IOC_CLONE && arg != nullptr && conn_fd.load() >= 0 &&
+      *static_cast<const uint32_t*>(arg) == static_cast<uint32_t>(conn_fd.load())) {
+    errno = EINVAL;
+    return -1;
+  }
+  return real(fd, request, arg);
+}
+
+FK_EXPORT ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out, size_t len, unsigned int flags) {
   static auto real = Next<ssize_t (*)(int, loff_t*, int, loff_t*, size_t, unsigned int)>("splice");
-  if (off_out != nullptr || !IsSeqpacketSocket(fd_out)) return real(fd_in, off_in, fd_out, off_out, len, flags);
+  if (Ours(fd_in)) {
+    errno = EINVAL;  // never offered (the INIT the program sees has no splice)
+    return -1;
+  }
+  const bool ours = Ours(fd_out);
+  if (!ours && (off_out != nullptr || !IsSeqpacketSocket(fd_out))) return real(fd_in, off_in, fd_out, off_out, len, flags);
   char* buf = static_cast<char*>(malloc(len > 0 ? len : 1));
   if (buf == nullptr) {
     errno = ENOMEM;
@@ -89,6 +227,14 @@ ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out, size_t le
     got += static_cast<size_t>(n);
   }
   if (off_in != nullptr) *off_in += static_cast<loff_t>(got);
+  if (ours) {
+    iovec iov{buf, got};
+    const ssize_t n = in_program->Write(&iov, 1);
+    const int err = errno;
+    free(buf);
+    errno = err;
+    return n;
+  }
   ssize_t sent;
   do {
     sent = send(fd_out, buf, got, MSG_NOSIGNAL);
@@ -99,34 +245,34 @@ ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out, size_t le
   return sent;
 }
 
-int execve(const char* path, char* const argv[], char* const envp[]) {
+FK_EXPORT int execve(const char* path, char* const argv[], char* const envp[]) {
   static auto real = Next<int (*)(const char*, char* const[], char* const[])>("execve");
   return real(Redirect(path), argv, envp);
 }
 
-int execv(const char* path, char* const argv[]) {
+FK_EXPORT int execv(const char* path, char* const argv[]) {
   static auto real = Next<int (*)(const char*, char* const[])>("execv");
   return real(Redirect(path), argv);
 }
 
-int execvp(const char* file, char* const argv[]) {
+FK_EXPORT int execvp(const char* file, char* const argv[]) {
   static auto real = Next<int (*)(const char*, char* const[])>("execvp");
   return real(Redirect(file), argv);
 }
 
-int execvpe(const char* file, char* const argv[], char* const envp[]) {
+FK_EXPORT int execvpe(const char* file, char* const argv[], char* const envp[]) {
   static auto real = Next<int (*)(const char*, char* const[], char* const[])>("execvpe");
   return real(Redirect(file), argv, envp);
 }
 
-int posix_spawn(pid_t* pid, const char* path, const posix_spawn_file_actions_t* actions,
+FK_EXPORT int posix_spawn(pid_t* pid, const char* path, const posix_spawn_file_actions_t* actions,
                 const posix_spawnattr_t* attr, char* const argv[], char* const envp[]) {
   static auto real = Next<int (*)(pid_t*, const char*, const posix_spawn_file_actions_t*, const posix_spawnattr_t*,
                                   char* const[], char* const[])>("posix_spawn");
   return real(pid, Redirect(path), actions, attr, argv, envp);
 }
 
-int posix_spawnp(pid_t* pid, const char* file, const posix_spawn_file_actions_t* actions,
+FK_EXPORT int posix_spawnp(pid_t* pid, const char* file, const posix_spawn_file_actions_t* actions,
                  const posix_spawnattr_t* attr, char* const argv[], char* const envp[]) {
   static auto real = Next<int (*)(pid_t*, const char*, const posix_spawn_file_actions_t*, const posix_spawnattr_t*,
                                   char* const[], char* const[])>("posix_spawnp");
@@ -134,7 +280,7 @@ int posix_spawnp(pid_t* pid, const char* file, const posix_spawn_file_actions_t*
 }
 
 #define FKSERVE_OPEN(name)                                                    \
-  int name(const char* path, int flags, ...) {                                \
+  FK_EXPORT int name(const char* path, int flags, ...) {                      \
     static auto real = Next<int (*)(const char*, int, ...)>(#name);           \
     mode_t mode = 0;                                                          \
     if (flags & (O_CREAT | O_TMPFILE)) {                                      \

@@ -81,6 +81,11 @@ struct Relay::LoopState final : RelayOutput {
   bool busy = false;
   bool unresponsive = false;
   std::unordered_set<uint64_t> lock_waits;
+  // Handed over to the instance's own core (Relay::HandOver): the kernel is not read, the
+  // instance not watched; its socket is held here, unread.
+  bool handed_over = false;
+  UniqueFd held;
+  Durability durability = Durability::kAtSync;
 
   void Log(const std::string& line) override {
     if (cb.log) cb.log(line);
@@ -127,9 +132,14 @@ struct Relay::LoopState final : RelayOutput {
   void ArmKernelPoll() {
     kpoll.callback = [this](int32_t res, bool more) {
       if (!more) kpoll_armed = false;
-      if (res == -ECANCELED || ended) return;
+      // Cancelled by a HandOver that a TakeBack has undone since: read again.
+      const bool rearm = !more && !ended && !handed_over;
+      if (res == -ECANCELED || ended || handed_over) {
+        if (rearm) ArmKernelPoll();
+        return;
+      }
       DrainKernel();
-      if (!more && !ended) ArmKernelPoll();
+      if (rearm) ArmKernelPoll();
     };
     kpoll_armed = true;
     loop->PollAdd(&kpoll, kernel.get(), POLLIN, /*multishot=*/true);
@@ -137,7 +147,7 @@ struct Relay::LoopState final : RelayOutput {
 
   // Every request the kernel has for us now (until EAGAIN: the poll fires again only on news).
   void DrainKernel() {
-    while (!ended) {
+    while (!ended && !handed_over) {
       const ssize_t n = read(kernel.get(), kbuf.data(), kbuf.size());
       if (n > 0) {
         kernel_errors = 0;
@@ -259,7 +269,41 @@ struct Relay::LoopState final : RelayOutput {
     if (c->retired && !c->poll_armed && !c->out_armed) delete c;
   }
 
+  bool HandOver() {
+    if (ended || handed_over || conn == nullptr || conn->retired) return false;
+    if (core->stats().program_messages_since_start > 0) return false;
+    handed_over = true;
+    if (kpoll_armed) loop->Cancel(&kpoll);
+    // Kept open: a second thread of the program may still be reading it.
+    held = UniqueFd(fcntl(conn->fd.get(), F_DUPFD_CLOEXEC, 3));
+    Retire(conn);
+    return true;
+  }
+
+  absl::Status TakeBack() {
+    if (!handed_over) return absl::OkStatus();
+    SavedState saved;
+    auto j = StateJournal::Open(UniqueFd(fcntl(journal->fd(), F_DUPFD_CLOEXEC, 3)), &saved);
+    if (!j.ok()) return j.status();
+    auto fresh = std::make_unique<RelayCore>(this, max_message, durability);
+    fresh->SetJournal(j->get());
+    if (!saved.init_request.empty()) fresh->Restore(saved);
+    core = std::move(fresh);
+    journal = std::move(*j);
+    const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
+    if (write(kernel.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
+      const int err = errno;
+      if (err == ENODEV) ended = true;
+      return absl::FailedPreconditionError(absl::StrCat("asking the kernel to resend: ", strerror(err)));
+    }
+    handed_over = false;
+    held.Reset();
+    if (!kpoll_armed) ArmKernelPoll();
+    return absl::OkStatus();
+  }
+
   void Attach(UniqueFd ours) {
+    held.Reset();
     if (conn != nullptr) Retire(conn);
     auto* c = new ProgramConn();
     c->fd = std::move(ours);
@@ -281,7 +325,7 @@ struct Relay::LoopState final : RelayOutput {
   }
 
   void CheckProgram() {
-    if (conn == nullptr || conn->retired || unresponsive) return;
+    if (handed_over || conn == nullptr || conn->retired || unresponsive) return;
     using std::chrono::duration_cast;
     using std::chrono::milliseconds;
     const LoopClock::time_point now = LoopClock::now();
@@ -336,6 +380,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   st->cb = std::move(callbacks);
   st->notifier = std::make_unique<KernelNotifier>(st->kernel.get(), st->cb.log);
   st->max_message = r->max_message_;
+  st->durability = r->durability_ = durability;
   st->core = std::make_unique<RelayCore>(st.get(), r->max_message_, durability);
   const bool adopting = state.valid();
   if (adopting) {
@@ -442,6 +487,26 @@ void Relay::WatchPrograms(ProgramLimits limits) {
     return;
   }
   taken.get_future().wait();
+}
+
+bool Relay::HandOver() {
+  std::promise<bool> p;
+  LoopState* st = state_.get();
+  if (!st->loop->Post([st, &p] { p.set_value(st->HandOver()); })) return false;
+  return p.get_future().get();
+}
+
+absl::Status Relay::TakeBack() {
+  std::promise<absl::Status> p;
+  LoopState* st = state_.get();
+  if (!st->loop->Post([st, &p] { p.set_value(st->TakeBack()); })) return absl::UnavailableError("the relay has stopped");
+  absl::Status s = p.get_future().get();
+  if (s.ok()) {
+    std::promise<int> fd;
+    st->loop->Post([st, &fd] { fd.set_value(st->journal->fd()); });
+    state_fd_ = fd.get_future().get();
+  }
+  return s;
 }
 
 RelayStats Relay::Snapshot() {

@@ -66,6 +66,7 @@ class Relay {
                                                       UniqueFd state = UniqueFd(),
                                                       Durability durability = Durability::kAtSync);
   ~Relay();
+  Durability durability() const { return durability_; }
 
   // Blocking (waits for the loop to take it). A socket pair for the next program instance: the
   // relay's end is attached now (the instance before it, if any, is gone); the returned end
@@ -77,8 +78,22 @@ class Relay {
   void WatchPrograms(ProgramLimits limits);
   // Blocking. The core's figures now.
   RelayStats Snapshot();
+
+  // The relay's core inside the program (in_program.h): the current instance's preload library
+  // asks to read and write the kernel's connection itself. Blocking; granted only while the
+  // instance has sent nothing (so nothing it answered is the relay's to know): the relay then
+  // stops reading the kernel (what it read and did not answer, the FUSE_INIT among it, stays in
+  // the kernel's processing queue: the instance's core has it resent) and stops watching the
+  // instance. Its socket is kept open, unread, until the next instance.
+  bool HandOver();
+  // Blocking. The handed-over instance is gone: the relay carries on from the state its core
+  // left in the journal (as a new launcher would: nodes and handles restored, the kernel asked to
+  // resend what the instance had read), ready for the next NewInstanceSocket. An error if the
+  // connection has ended (ENODEV) or the journal cannot be read.
+  absl::Status TakeBack();
   size_t max_message_bytes() const { return max_message_; }
-  // The state memfd (to deposit with the agent); valid while the relay lives.
+  // The state memfd (to deposit with the agent); valid while the relay lives (a TakeBack may
+  // change the number: dup it).
   int state_fd() const { return state_fd_; }
   // What Start restored: nodes and open handles.
   size_t restored_nodes() const { return restored_nodes_; }
@@ -90,6 +105,7 @@ class Relay {
   struct LoopState;
   size_t max_message_ = 0;
   int state_fd_ = -1;
+  Durability durability_ = Durability::kAtSync;
   size_t restored_nodes_ = 0, restored_handles_ = 0;
   std::unique_ptr<LoopState> state_;
   std::thread thread_;

@@ -779,6 +779,7 @@ void RelayCore::ProgramStarted() {
   ++stats_.instances;
   stats_.answers_since_start = 0;
   stats_.program_answers_since_start = 0;
+  stats_.program_messages_since_start = 0;
   if (init_done_) {
     // The kernel sends INIT once per connection: replay its INIT; hold everything until answered.
     ready_ = false;
@@ -1012,6 +1013,7 @@ void RelayCore::Bad(const std::string& what) {
 }
 
 void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
+  ++stats_.program_messages_since_start;
   if (len < kOutHeader) {
     Bad(absl::StrCat("a ", len, "-byte message"));
     return;

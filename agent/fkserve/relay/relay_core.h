@@ -73,6 +73,7 @@ struct RelayStats {
   uint64_t files_lost = 0;         // files whose changes a death may have lost (EIO at their next sync)
   uint64_t answers_since_start = 0;  // replies to the kernel since the last ProgramStarted
   uint64_t program_answers_since_start = 0;  // of those, the program's own (not the relay's)
+  uint64_t program_messages_since_start = 0;  // messages of any kind from the current instance
 };
 
 class RelayCore {

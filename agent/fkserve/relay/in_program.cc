@@ -1,0 +1,272 @@
+#include "agent/fkserve/relay/in_program.h"
+
+#include <fcntl.h>
+#include <linux/fuse.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/relay/durability.h"
+#include "agent/fkserve/relay/fuse_wire.h"
+
+namespace fusekeeper::relay {
+namespace {
+
+// The preload library interposes read and write: the core's own I/O goes to the kernel directly.
+ssize_t RawRead(int fd, void* buf, size_t n) { return syscall(SYS_read, fd, buf, n); }
+ssize_t RawWrite(int fd, const void* buf, size_t n) { return syscall(SYS_write, fd, buf, n); }
+
+// The calling thread is handing the core a notification of the program's own: it is written by
+// that thread, after the mutex is released (see the header).
+thread_local std::vector<std::string>* own_notifications = nullptr;
+
+int Connect(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  memcpy(addr.sun_path, path.data(), path.size());
+  const int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) return -1;
+  if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(s);
+    errno = err;
+    return -1;
+  }
+  return s;
+}
+
+}  // namespace
+
+std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, int program_fd, size_t read_size,
+                                            std::string* why) {
+  struct stat st;
+  if (fstat(program_fd, &st) != 0) {
+    *why = absl::StrCat("fstat of the connection: ", strerror(errno));
+    return nullptr;
+  }
+  UniqueFd sock(Connect(service_socket));
+  if (!sock) {
+    *why = absl::StrCat("cannot reach the launcher at ", service_socket, ": ", strerror(errno));
+    return nullptr;
+  }
+  if (!SendWithFd(sock.get(), absl::StrCat(kClaimRequest, "\n", st.st_ino, "\n", read_size), -1)) {
+    *why = absl::StrCat("asking the launcher: ", strerror(errno));
+    return nullptr;
+  }
+  std::string text;
+  int kfd = -1;
+  if (!ReceiveWithFd(sock.get(), &text, &kfd)) {
+    *why = absl::StrCat("the launcher's answer: ", strerror(errno));
+    return nullptr;
+  }
+  UniqueFd kernel(kfd);
+  std::vector<std::string> words = absl::StrSplit(text, '\n');
+  if (!kernel || words.size() != 2 || words[0] != "ok") {
+    *why = absl::StrCat("the launcher refused: ", text);
+    return nullptr;
+  }
+  const std::optional<Durability> durability = ParseDurability(words[1]);
+  int jfd = -1;
+  if (!durability || !ReceiveWithFd(sock.get(), &text, &jfd) || jfd < 0) {
+    if (jfd >= 0) close(jfd);
+    *why = "the launcher sent no journal";
+    return nullptr;
+  }
+  SavedState saved;
+  auto journal = StateJournal::Open(UniqueFd(jfd), &saved);
+  if (!journal.ok()) {
+    *why = absl::StrCat("the relay state: ", journal.status().message());
+    return nullptr;
+  }
+  std::unique_ptr<InProgram> p(new InProgram());
+  p->program_fd_ = program_fd;
+  p->kernel_ = std::move(kernel);
+  p->report_ = std::move(sock);
+  p->journal_ = std::move(*journal);
+  p->wake_ = UniqueFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  const int fl = fcntl(p->kernel_.get(), F_GETFL);
+  if (!p->wake_ || fl < 0 || fcntl(p->kernel_.get(), F_SETFL, fl | O_NONBLOCK) != 0) {
+    *why = absl::StrCat("setting up: ", strerror(errno));
+    return nullptr;
+  }
+  InProgram* raw = p.get();
+  p->notifier_ = std::make_unique<KernelNotifier>(p->kernel_.get(), [raw](const std::string& l) { raw->Log(l); });
+  std::lock_guard<std::mutex> lock(p->mu_);
+  p->core_ = std::make_unique<RelayCore>(p.get(), read_size, *durability);
+  p->core_->SetJournal(p->journal_.get());
+  if (!saved.init_request.empty()) p->core_->Restore(saved);
+  p->core_->ProgramStarted();
+  // What was read and not answered (the INIT a first instance's relay read, a dead instance's
+  // requests) comes again, to this core.
+  const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
+  if (RawWrite(p->kernel_.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
+    *why = absl::StrCat("asking the kernel to resend (FUSE_NOTIFY_RESEND, Linux 6.9+): ", strerror(errno));
+    return nullptr;
+  }
+  // Calls the preload library does not see (poll, ioctl, splice of the program's own) reach the
+  // kernel's connection, not a socket nobody reads.
+  if (dup3(p->kernel_.get(), program_fd, O_CLOEXEC) < 0) {
+    *why = absl::StrCat("dup3 over the program's connection: ", strerror(errno));
+    return nullptr;
+  }
+  return p;
+}
+
+InProgram::~InProgram() = default;
+
+ssize_t InProgram::Pop(void* buf, size_t count) {
+  std::string& m = to_program_.front();
+  if (m.size() > count) {
+    errno = EINVAL;  // as the device says to a buffer too small for its message
+    return -1;
+  }
+  const size_t n = m.size();
+  memcpy(buf, m.data(), n);
+  to_program_.pop_front();
+  if (to_program_.empty()) {
+    uint64_t v;
+    (void)!RawRead(wake_.get(), &v, sizeof(v));
+  }
+  return static_cast<ssize_t>(n);
+}
+
+ssize_t InProgram::Read(void* buf, size_t count) {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!to_program_.empty()) return Pop(buf, count);
+      if (ended_) {
+        errno = ENODEV;
+        return -1;
+      }
+    }
+    pollfd fds[2] = {{kernel_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) return -1;  // EINTR: a signal for the program (libfuse's exit)
+    if ((fds[0].revents & (POLLIN | POLLERR | POLLHUP)) == 0) continue;
+    const ssize_t n = RawRead(kernel_.get(), buf, count);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == ENOENT) continue;  // another thread took it; withdrawn
+      if (errno == ENODEV) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ended_ = true;
+      }
+      return -1;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    direct_ = static_cast<char*>(buf);
+    direct_cap_ = count;
+    direct_len_ = 0;
+    core_->FromKernel(static_cast<char*>(buf), static_cast<size_t>(n));
+    const size_t got = direct_len_;
+    direct_ = nullptr;
+    AfterCore();
+    if (got > 0) return static_cast<ssize_t>(got);
+    // Answered by the core, or held: read on.
+  }
+}
+
+ssize_t InProgram::Write(const iovec* iov, int iovcnt) {
+  thread_local std::string msg;
+  msg.clear();
+  for (int i = 0; i < iovcnt; ++i) msg.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+  std::vector<std::string> notes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (msg.size() >= sizeof(fuse_out_header) && reinterpret_cast<const fuse_out_header*>(msg.data())->unique == 0) {
+      own_notifications = &notes;
+    }
+    core_->FromProgram(msg.data(), msg.size());
+    own_notifications = nullptr;
+    AfterCore();
+  }
+  for (const std::string& n : notes) {
+    if (RawWrite(kernel_.get(), n.data(), n.size()) < 0) {
+      // As the device would have answered the program's own write.
+      return -1;
+    }
+  }
+  return static_cast<ssize_t>(msg.size());
+}
+
+void InProgram::AfterCore() {
+  if (reported_ || core_->stats().program_answers_since_start == 0) return;
+  reported_ = true;
+  const RelayStats& s = core_->stats();
+  const std::string text = absl::StrCat("served\n", s.resent, " ", s.resolved, " ", s.reopened, " ",
+                                        s.restore_failures, " ", s.writes_replayed, " ", s.files_lost);
+  (void)!send(report_.get(), text.data(), text.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+void InProgram::ToKernel(const char* data, size_t len) {
+  if (len >= sizeof(fuse_out_header) && reinterpret_cast<const fuse_out_header*>(data)->unique == 0) {
+    if (own_notifications != nullptr) {
+      own_notifications->emplace_back(data, len);
+    } else {
+      notifier_->Push(data, len);  // the core's own: never under the mutex (kernel_notifier.h)
+    }
+    return;
+  }
+  ssize_t n;
+  do {
+    n = RawWrite(kernel_.get(), data, len);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0 && errno == ENODEV) ended_ = true;
+}
+
+void InProgram::ToProgram(const iovec* iov, int iovcnt) {
+  size_t total = 0;
+  for (int i = 0; i < iovcnt; ++i) total += iov[i].iov_len;
+  if (direct_ != nullptr && direct_len_ == 0 && total <= direct_cap_ && to_program_.empty()) {
+    if (iovcnt == 1 && iov[0].iov_base == direct_) {
+      direct_len_ = total;  // translated in place
+      return;
+    }
+    bool overlaps = false;
+    for (int i = 0; i < iovcnt; ++i) {
+      const char* b = static_cast<const char*>(iov[i].iov_base);
+      overlaps = overlaps || (b < direct_ + direct_cap_ && b + iov[i].iov_len > direct_);
+    }
+    if (!overlaps) {
+      size_t at = 0;
+      for (int i = 0; i < iovcnt; ++i) {
+        memcpy(direct_ + at, iov[i].iov_base, iov[i].iov_len);
+        at += iov[i].iov_len;
+      }
+      direct_len_ = total;
+      return;
+    }
+  }
+  std::string copy;
+  copy.reserve(total);
+  for (int i = 0; i < iovcnt; ++i) copy.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+  const bool was_empty = to_program_.empty();
+  to_program_.push_back(std::move(copy));
+  if (was_empty) {
+    const uint64_t one = 1;
+    (void)!RawWrite(wake_.get(), &one, sizeof(one));
+  }
+}
+
+void InProgram::Log(const std::string& line) {
+  const std::string text = absl::StrCat("fkserve (in the program): ", line, "\n");
+  (void)!RawWrite(STDERR_FILENO, text.data(), text.size());
+}
+
+}  // namespace fusekeeper::relay
