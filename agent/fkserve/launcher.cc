@@ -440,13 +440,15 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
       SendWithFd(conn, "refused: not the current instance's connection", -1);
       return;
     }
-    if (!relay->HandOver()) {
+    UniqueFd pulse;
+    if (!relay->HandOver(&pulse)) {
       SendWithFd(conn, "refused: the instance has talked to the relay already", -1);
       return;
     }
     ip.claimed = true;
     SendWithFd(conn, absl::StrCat("ok\n", relay::DurabilityName(relay->durability())), fuse_fd.get());
     SendWithFd(conn, "journal", relay->state_fd());
+    SendWithFd(conn, "pulse", pulse.get());
     fprintf(stderr, "fkserve: %s reads the kernel's connection itself, the relay's core in it\n", name.c_str());
     ip.readers.emplace_back([&, report = UniqueFd(fcntl(conn, F_DUPFD_CLOEXEC, 3)), started = ip.started] {
       char buf[512];
@@ -548,7 +550,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     return holder->get();
   };
   FusermountService::ClaimHandler claim_handler = nullptr;
-  if (relay) claim_handler = claim;
+  if (relay && o.in_program) claim_handler = claim;
   Instance inst;
   {
     UniqueFd theirs;

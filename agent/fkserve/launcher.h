@@ -51,6 +51,9 @@ struct LaunchOptions {
   // (relay/relay_core.h), and a program that dies is started again with the connection kept:
   // pods see slower answers, not errors. Direct: the program gets the connection itself.
   bool relay = true;
+  // Relayed: the relay's core runs inside the program where the preload library can enter it
+  // (relay/in_program.h): no second process on the request path. False: always the hop.
+  bool in_program = true;
   // Restarts in a row of instances that each died before answering a request, before giving up
   // (the end is reported to the agent as for a direct program).
   int max_restarts = 8;

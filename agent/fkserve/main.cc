@@ -68,6 +68,10 @@ DEFINE_int32(max_restarts, 8,
 DEFINE_int32(restart_window_ms, 10000,
              "launch (relayed): a program that dies within this long of its start is restarted after a "
              "growing delay (100 ms doubling to 5 s) instead of at once");
+DEFINE_bool(in_program, true,
+            "launch, relayed: the relay's core runs inside the program (libfkserve_preload.so) where "
+            "the program lets the library in (dynamically linked programs): requests take no extra hop. "
+            "Static programs (Go) are relayed by the launcher either way; false: every program is");
 DEFINE_string(durability, "auto",
               "launch (relayed): when the program stores a change, which decides what its death costs: "
               "write (before it answers it: nothing is lost, nothing replayed), sync (at fsync/close: what it "
@@ -280,6 +284,7 @@ int main(int argc, char** argv) {
     }
     lo.mark_ready = MarkReady;
     lo.relay = !FLAGS_direct;
+    lo.in_program = FLAGS_in_program;
     lo.max_restarts = FLAGS_max_restarts;
     lo.durability = FLAGS_durability;
     lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);

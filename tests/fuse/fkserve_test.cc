@@ -196,14 +196,20 @@ TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
 
 // Relayed (the default), the program's connection is a socket the launcher relays; with
 // --direct, the agent's /dev/fuse connection itself.
+// Relayed (the default), a dynamically linked program reads the kernel's connection itself with
+// the relay's core in it (relay/in_program.h); --in_program=false relays it through the launcher
+// (the program holds a socket); --direct hands it the device without a relay.
 TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
-  for (const bool direct : {false, true}) {
-    SCOPED_TRACE(direct ? "--direct" : "relayed");
+  enum Mode { kInProgram, kHop, kDirect };
+  for (const Mode mode : {kInProgram, kHop, kDirect}) {
+    const char* name = mode == kInProgram ? "in-program" : mode == kHop ? "hop" : "direct";
+    SCOPED_TRACE(name);
     served_ = std::promise<void>();
     gone_ = std::promise<absl::Status>();
-    MountAndOffer({.volume_id = direct ? "v-direct" : "v-relayed"});
+    MountAndOffer({.volume_id = std::string("v-") + name});
     std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "x\n"};
-    if (direct) args.insert(args.begin(), "--direct");
+    if (mode == kDirect) args.insert(args.begin(), "--direct");
+    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
     StartServer(args);
     ASSERT_TRUE(WaitServed()) << server_->Stderr();
     EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
@@ -216,9 +222,9 @@ TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
       fds.push_back(fs::read_symlink(e.path()).string());
     }
     const bool has_device = std::count(fds.begin(), fds.end(), "/dev/fuse") > 0;
-    const bool has_socket = std::any_of(fds.begin(), fds.end(), [](const std::string& f) { return f.rfind("socket:", 0) == 0; });
-    EXPECT_EQ(has_device, direct) << "the program holds the device only with --direct";
-    EXPECT_EQ(has_socket, !direct) << "relayed, it holds the relay's socket";
+    const bool says_in_program = server_->Stderr().find("reads the kernel's connection itself") != std::string::npos;
+    EXPECT_EQ(has_device, mode != kHop) << "only through the launcher's hop does the program hold no device";
+    EXPECT_EQ(says_in_program, mode == kInProgram) << server_->Stderr();
     ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     EXPECT_EQ(ServerExit(), 0) << server_->Stderr();

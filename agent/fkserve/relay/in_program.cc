@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -89,14 +90,27 @@ std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, i
     *why = "the launcher sent no journal";
     return nullptr;
   }
+  UniqueFd journal_fd(jfd);
+  int pfd = -1;
+  if (!ReceiveWithFd(sock.get(), &text, &pfd) || pfd < 0) {
+    *why = "the launcher sent no pulse";
+    return nullptr;
+  }
+  UniqueFd pulse_fd(pfd);
+  void* pulse = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, pulse_fd.get(), 0);
+  if (pulse == MAP_FAILED) {
+    *why = absl::StrCat("mapping the pulse: ", strerror(errno));
+    return nullptr;
+  }
   SavedState saved;
-  auto journal = StateJournal::Open(UniqueFd(jfd), &saved);
+  auto journal = StateJournal::Open(std::move(journal_fd), &saved);
   if (!journal.ok()) {
     *why = absl::StrCat("the relay state: ", journal.status().message());
     return nullptr;
   }
   std::unique_ptr<InProgram> p(new InProgram());
   p->program_fd_ = program_fd;
+  p->pulse_ = static_cast<Pulse*>(pulse);
   p->kernel_ = std::move(kernel);
   p->report_ = std::move(sock);
   p->journal_ = std::move(*journal);
@@ -170,6 +184,10 @@ ssize_t InProgram::Read(void* buf, size_t count) {
       return -1;
     }
     std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<size_t>(n) >= sizeof(fuse_in_header) &&
+        reinterpret_cast<const fuse_in_header*>(buf)->opcode == FUSE_SETLKW) {
+      lock_waits_.insert(reinterpret_cast<const fuse_in_header*>(buf)->unique);
+    }
     direct_ = static_cast<char*>(buf);
     direct_cap_ = count;
     direct_len_ = 0;
@@ -189,8 +207,10 @@ ssize_t InProgram::Write(const iovec* iov, int iovcnt) {
   std::vector<std::string> notes;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (msg.size() >= sizeof(fuse_out_header) && reinterpret_cast<const fuse_out_header*>(msg.data())->unique == 0) {
-      own_notifications = &notes;
+    if (msg.size() >= sizeof(fuse_out_header)) {
+      const uint64_t unique = reinterpret_cast<const fuse_out_header*>(msg.data())->unique;
+      if (unique == 0) own_notifications = &notes;
+      if (!lock_waits_.empty()) lock_waits_.erase(unique);
     }
     core_->FromProgram(msg.data(), msg.size());
     own_notifications = nullptr;
@@ -206,6 +226,12 @@ ssize_t InProgram::Write(const iovec* iov, int iovcnt) {
 }
 
 void InProgram::AfterCore() {
+  const int64_t now = MonotonicNs();
+  const bool busy = core_->requests_in_flight() > lock_waits_.size();
+  if (busy && !pulse_->busy.load(std::memory_order_relaxed)) pulse_->busy_since_ns.store(now, std::memory_order_relaxed);
+  pulse_->busy.store(busy ? 1 : 0, std::memory_order_relaxed);
+  pulse_->last_activity_ns.store(now, std::memory_order_relaxed);
+  if (core_->initialized()) pulse_->init_done.store(1, std::memory_order_relaxed);
   if (reported_ || core_->stats().program_answers_since_start == 0) return;
   reported_ = true;
   const RelayStats& s = core_->stats();

@@ -37,9 +37,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "agent/base/unique_fd.h"
 #include "agent/fkserve/relay/kernel_notifier.h"
+#include "agent/fkserve/relay/pulse.h"
 #include "agent/fkserve/relay/relay_core.h"
 #include "agent/fkserve/relay/relay_state.h"
 
@@ -47,7 +49,8 @@ namespace fusekeeper::relay {
 
 // The claim's wire (launcher side: launcher.cc). Request: "claim\n<socket inode>\n<read size>".
 // Answer: "ok\n<durability>" with the kernel's connection attached, then "journal" with the
-// journal attached; or a refusal (any other text, no fd). Then from the program: "served\n<what>".
+// journal attached, then "pulse" with the pulse (pulse.h) attached; or a refusal (any other
+// text, no fd). Then from the program: "served\n<what>".
 inline constexpr char kClaimRequest[] = "claim";
 inline constexpr char kRelaySocketEnv[] = "FKSERVE_RELAY_SOCKET";  // the instance's socket inode
 
@@ -75,7 +78,7 @@ class InProgram final : public RelayOutput {
  private:
   InProgram() = default;
   ssize_t Pop(void* buf, size_t count);  // mu_ held
-  void AfterCore();                       // mu_ held
+  void AfterCore();                       // mu_ held: the launcher's report, the pulse
 
   int program_fd_ = -1;
   UniqueFd kernel_;   // our own dup of the connection (non-blocking)
@@ -88,6 +91,8 @@ class InProgram final : public RelayOutput {
   std::deque<std::string> to_program_;
   bool ended_ = false;
   bool reported_ = false;
+  Pulse* pulse_ = nullptr;              // shared with the launcher's relay
+  std::unordered_set<uint64_t> lock_waits_;  // FUSE_SETLKW in flight: they may last
   // The reading thread's buffer while the core handles what it read: the first message for the
   // program goes straight into it.
   char* direct_ = nullptr;

@@ -3,9 +3,11 @@
 #include <linux/fuse.h>
 
 #include "agent/fkserve/relay/kernel_notifier.h"
+#include "agent/fkserve/relay/pulse.h"
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -85,7 +87,15 @@ struct Relay::LoopState final : RelayOutput {
   // instance not watched; its socket is held here, unread.
   bool handed_over = false;
   UniqueFd held;
+  UniqueFd pulse_fd;
+  Pulse* pulse = nullptr;  // mapped from pulse_fd
+  LoopClock::time_point pending_since;  // handed over: since when the kernel has had requests unread
+  int64_t pending_activity = 0;         // the pulse's last activity then
   Durability durability = Durability::kAtSync;
+
+  ~LoopState() override {
+    if (pulse != nullptr) munmap(pulse, 4096);
+  }
 
   void Log(const std::string& line) override {
     if (cb.log) cb.log(line);
@@ -269,9 +279,22 @@ struct Relay::LoopState final : RelayOutput {
     if (c->retired && !c->poll_armed && !c->out_armed) delete c;
   }
 
-  bool HandOver() {
+  bool HandOver(UniqueFd* pulse_out) {
     if (ended || handed_over || conn == nullptr || conn->retired) return false;
     if (core->stats().program_messages_since_start > 0) return false;
+    if (pulse == nullptr) {
+      pulse_fd = UniqueFd(memfd_create("fkserve-pulse", MFD_CLOEXEC));
+      void* m = pulse_fd && ftruncate(pulse_fd.get(), 4096) == 0
+                    ? mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, pulse_fd.get(), 0)
+                    : MAP_FAILED;
+      if (m == MAP_FAILED) return false;
+      pulse = new (m) Pulse();
+    }
+    pulse->busy = 0;
+    pulse->init_done = core->initialized() ? 1 : 0;
+    pulse->last_activity_ns = MonotonicNs();
+    pending_activity = -1;
+    *pulse_out = UniqueFd(fcntl(pulse_fd.get(), F_DUPFD_CLOEXEC, 3));
     handed_over = true;
     if (kpoll_armed) loop->Cancel(&kpoll);
     // Kept open: a second thread of the program may still be reading it.
@@ -324,7 +347,45 @@ struct Relay::LoopState final : RelayOutput {
     loop->AddTimer(tick, [this, tick] { Watch(tick); });
   }
 
+  // Handed over: the instance's pulse, and the kernel's queue (requests no thread of it reads).
+  void CheckHandedOver() {
+    using std::chrono::milliseconds;
+    const LoopClock::time_point now = LoopClock::now();
+    const int64_t now_ns = MonotonicNs();
+    std::string why;
+    if (!pulse->init_done) {
+      if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) {
+        why = absl::StrCat("did not answer the kernel's FUSE_INIT within ", limits.init_timeout.count(),
+                           " ms of its start");
+      }
+    } else if (limits.stall.count() > 0) {
+      const int64_t activity = pulse->last_activity_ns.load();
+      pollfd p{kernel.get(), POLLIN, 0};
+      const bool pending = poll(&p, 1, 0) == 1 && (p.revents & POLLIN);
+      if (!pending || activity != pending_activity) {
+        pending_activity = pending ? activity : -1;
+        pending_since = now;
+      }
+      int64_t quiet_ns = 0;
+      if (pulse->busy) quiet_ns = now_ns - std::max(activity, pulse->busy_since_ns.load());
+      if (pending) {
+        quiet_ns = std::max<int64_t>(
+            quiet_ns, std::chrono::duration_cast<std::chrono::nanoseconds>(now - pending_since).count());
+      }
+      if (quiet_ns >= std::chrono::duration_cast<std::chrono::nanoseconds>(limits.stall).count()) {
+        // (In flight: read by it and not answered, or waiting in the kernel for it to read.)
+        why = absl::StrCat("stopped answering: request(s) in flight to it and no message from it for ",
+                           quiet_ns / 1000000, " ms (--program_stall_ms=", limits.stall.count(), ")");
+      }
+    }
+    if (why.empty()) return;
+    unresponsive = true;
+    Log(absl::StrCat("relay: the program ", why));
+    if (cb.program_unresponsive) cb.program_unresponsive(why, pulse->init_done != 0);
+  }
+
   void CheckProgram() {
+    if (handed_over && pulse != nullptr && !unresponsive && !ended) return CheckHandedOver();
     if (handed_over || conn == nullptr || conn->retired || unresponsive) return;
     using std::chrono::duration_cast;
     using std::chrono::milliseconds;
@@ -489,10 +550,10 @@ void Relay::WatchPrograms(ProgramLimits limits) {
   taken.get_future().wait();
 }
 
-bool Relay::HandOver() {
+bool Relay::HandOver(UniqueFd* pulse) {
   std::promise<bool> p;
   LoopState* st = state_.get();
-  if (!st->loop->Post([st, &p] { p.set_value(st->HandOver()); })) return false;
+  if (!st->loop->Post([st, &p, pulse] { p.set_value(st->HandOver(pulse)); })) return false;
   return p.get_future().get();
 }
 

@@ -85,7 +85,9 @@ class Relay {
   // stops reading the kernel (what it read and did not answer, the FUSE_INIT among it, stays in
   // the kernel's processing queue: the instance's core has it resent) and stops watching the
   // instance. Its socket is kept open, unread, until the next instance.
-  bool HandOver();
+  // `pulse`: a dup of the memfd (one page, relay/pulse.h) where the instance's core says how it
+  // is doing; the relay watches the instance through it (and through the kernel's queue).
+  bool HandOver(UniqueFd* pulse);
   // Blocking. The handed-over instance is gone: the relay carries on from the state its core
   // left in the journal (as a new launcher would: nodes and handles restored, the kernel asked to
   // resend what the instance had read), ready for the next NewInstanceSocket. An error if the
