@@ -53,6 +53,22 @@ inline constexpr char kSshd[] = "exec /usr/sbin/sshd -D -e -f $W/sshd_config";
   "sshfs", "-o", "IdentityFile=$W/userkey,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$PORT", \
       "nobody@127.0.0.1:$W/src", "{mountpoint}"
 
+// FUSEKEEPER_RELAY_HOP=1: the relay stays in the launcher for every program (fkserve launch
+// --in_program=false), so that every relayed test runs in the other mode too.
+inline bool RelayHopRequested() {
+  const char* env = getenv("FUSEKEEPER_RELAY_HOP");
+  return env != nullptr && env[0] == '1';
+}
+
+// Whether the relay's core runs inside this program (relay/in_program.h): it reads its
+// connection through libc, where the preload library sees it. Go programs make their own system
+// calls: they are relayed by the launcher.
+inline bool CoreRunsInProgram(const std::string& name) {
+  if (RelayHopRequested()) return false;
+  return name.rfind("gocryptfs", 0) != 0 && name.rfind("rclone", 0) != 0;
+}
+inline constexpr char kInProgramLine[] = "reads the kernel's connection itself";
+
 // gtest prints a parameter that fails: its name, not its bytes.
 inline void PrintTo(const Program& p, std::ostream* os) { *os << p.name; }
 
@@ -170,6 +186,7 @@ class ProgramsE2ETest : public FuseE2ETest, public ::testing::WithParamInterface
     EXPECT_EQ(std::system(("chown -R " + std::to_string(kServerUid) + ":" + std::to_string(kServerUid) + " " + w).c_str()),
               0);
     std::vector<std::string>& launch = *launch_out;
+    if (RelayHopRequested()) launch.push_back("--in_program=false");
     launch.insert(launch.end(), {"launch", "--"});
     for (const auto& a : prog.args) launch.push_back(expand(a));
     if (prog.server[0] != '\0') {
