@@ -1,0 +1,359 @@
+// Real FUSE programs under `fkserve launch`, side by side in one run, three ways each:
+//   direct      --direct: the program holds the kernel's connection, no relay (no restarts)
+//   in-program  the default: the relay's core runs inside the program (relay/in_program.h)
+//   hop         --in_program=false: the relay in the launcher, the program on a socket
+// Each program serves three mounts of one backing store at once (one per way), each mounted by
+// a HandoffEndpoint as the agent mounts volumes, with fkserve as a child process. The measures
+// run interleaved (way by way, slice by slice, several rounds) and each way's median is given
+// as a ratio to direct:
+//   read    64 MiB sequentially in 1 MiB reads, the file's page cache dropped first
+//   write   16 MiB in 1 MiB writes + fsync
+//   stat    statx(AT_STATX_FORCE_SYNC): a GETATTR each
+//   create  create + close + unlink
+//   rand4k  4 KiB preads at random offsets, each range's page cache dropped first
+// Counters per program: <measure>_inprog and <measure>_hop (ratios to direct), and <measure>_direct
+// (operations or MB per second). Programs not installed are skipped (scripts/setup-test-programs.sh
+// installs them). Needs root (a private mount namespace, /dev/fuse).
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "agent/fuse/fuse_mount.h"
+#include "agent/fuse/handoff_endpoint.h"
+#include "agent/loop/loop.h"
+#include "benchmark/benchmark.h"
+#include "glog/logging.h"
+#include "tests/testing/subprocess.h"
+
+namespace fusekeeper {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kReadBytes = 64 << 20;
+constexpr size_t kWriteBytes = 16 << 20;
+constexpr size_t kChunk = 1 << 20;
+constexpr int kRounds = 3;
+
+struct Program {
+  const char* name;
+  const char* binary;
+  // $W: the work directory; $SRC: the backing directory (holds data.bin); {mountpoint}/{fd}: the
+  // launcher's.
+  const char* setup;
+  std::vector<std::string> args;
+  bool writable;
+};
+
+const Program kPrograms[] = {
+    {"bindfs", "/usr/bin/bindfs", "", {"bindfs", "-f", "$SRC", "{mountpoint}"}, true},
+    {"fuse-overlayfs", "/usr/bin/fuse-overlayfs", "mkdir -p $W/upper $W/work",
+     {"fuse-overlayfs", "-f", "-o", "lowerdir=$SRC,upperdir=$W/upper,workdir=$W/work", "{mountpoint}"}, true},
+    {"fuse-overlayfs-fd", "/usr/bin/fuse-overlayfs", "mkdir -p $W/upper $W/work",
+     {"fuse-overlayfs", "-f", "-o", "lowerdir=$SRC,upperdir=$W/upper,workdir=$W/work", "/dev/fd/{fd}"}, true},
+    {"squashfuse_ll", "/usr/bin/squashfuse_ll", "mksquashfs $SRC $W/img.sqfs -quiet -noappend >/dev/null",
+     {"squashfuse_ll", "-f", "$W/img.sqfs", "/dev/fd/{fd}"}, false},
+    {"unionfs-fuse", "/usr/bin/unionfs-fuse", "",
+     {"unionfs-fuse", "-f", "-o", "cow", "$SRC=RW", "{mountpoint}"}, true},
+    {"gocryptfs", "/usr/bin/gocryptfs",
+     "mkdir -p $W/cipher && echo pw > $W/pass && gocryptfs -q -init -passfile $W/pass $W/cipher",
+     {"gocryptfs", "-fg", "-q", "-passfile", "$W/pass", "$W/cipher", "/dev/fd/{fd}"}, true},
+};
+
+enum Way { kDirect = 0, kInProgram = 1, kHop = 2 };
+const char* WayName(int w) { return w == kDirect ? "direct" : w == kInProgram ? "in-program" : "hop"; }
+
+// A Loop on a thread of its own (the agent's side of the mounts).
+class LoopThread {
+ public:
+  LoopThread() {
+    auto loop = Loop::Create();
+    CHECK(loop.ok()) << loop.status();
+    loop_ = std::move(*loop);
+    thread_ = std::thread([this] { loop_->Run(); });
+  }
+  ~LoopThread() {
+    loop_->Stop();
+    thread_.join();
+  }
+  template <typename F>
+  void Run(F fn) {
+    std::promise<void> done;
+    CHECK(loop_->Post([&] {
+      fn();
+      done.set_value();
+    }));
+    done.get_future().wait();
+  }
+  Loop& loop() { return *loop_; }
+
+ private:
+  std::unique_ptr<Loop> loop_;
+  std::thread thread_;
+};
+
+// One mount served by one launcher.
+struct Served {
+  std::string mnt, sockdir;
+  std::shared_ptr<HandoffEndpoint> endpoint;
+  std::unique_ptr<Subprocess> server;
+};
+
+bool Shell(const std::string& cmd) { return std::system(cmd.c_str()) == 0; }
+
+class Bench {
+ public:
+  explicit Bench(std::string root) : root_(std::move(root)) {}
+  ~Bench() {
+    for (auto& s : served_) {
+      umount2(s.mnt.c_str(), MNT_DETACH);
+      if (s.endpoint) lt_.Run([&] { s.endpoint->Stop(); });
+      s.endpoint.reset();
+      s.server.reset();
+    }
+  }
+
+  // Mounts one way of `p` on a fresh directory and starts its launcher. Empty: serving.
+  std::string Start(const Program& p, int way, const std::string& w, const std::string& src) {
+    Served s;
+    s.mnt = absl::StrCat(root_, "/mnt-", WayName(way));
+    s.sockdir = absl::StrCat(root_, "/sock-", WayName(way));
+    fs::create_directories(s.mnt);
+    fs::create_directories(s.sockdir);
+    auto dev = OpenFuseDeviceBlocking();
+    if (!dev.ok()) return dev.status().ToString();
+    UniqueFd target(open(s.mnt.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (auto m = MountFuseBlocking(dev->get(), target.get(), s.mnt, {.source = p.name}); !m.ok()) return m.ToString();
+    UniqueFd dir(open(s.sockdir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    auto listen = HandoffEndpoint::ListenBlocking(dir.get(), "s", 0, 0);
+    if (!listen.ok()) return listen.status().ToString();
+    auto served = std::make_shared<std::promise<void>>();
+    lt_.Run([&] {
+      HandoffEndpoint::Events events;
+      events.on_served = [served](const HandoffReply&, pid_t) { served->set_value(); };
+      MountConfig config;
+      config.volume_id = absl::StrCat("bench-", WayName(way));
+      s.endpoint = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(*dev), config, {}, std::move(events));
+    });
+    std::vector<std::string> cmd = {RunfilePath("agent/fkserve/fkserve"), "--socket=" + s.sockdir + "/s",
+                                    "--work_dir=" + root_};
+    if (way == kDirect) cmd.push_back("--direct");
+    if (way == kHop) cmd.push_back("--in_program=false");
+    cmd.insert(cmd.end(), {"launch", "--"});
+    for (const std::string& a : p.args) cmd.push_back(absl::StrReplaceAll(a, {{"$W", w}, {"$SRC", src}}));
+    s.server = std::make_unique<Subprocess>(cmd);
+    if (served->get_future().wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      return absl::StrCat(p.name, " ", WayName(way), " never served: ", s.server->Stderr());
+    }
+    // The first answer (FUSE_INIT, a GETATTR) before any measure: stat waits for it.
+    struct stat st;
+    if (stat(s.mnt.c_str(), &st) != 0) return absl::StrCat(p.name, " ", WayName(way), ": ", strerror(errno));
+    if (way == kInProgram && s.server->CountInStderr("reads the kernel's connection itself") == 0) {
+      return absl::StrCat(p.name, ": the relay's core did not enter it: ", s.server->Stderr());
+    }
+    served_.push_back(std::move(s));
+    return "";
+  }
+  const std::string& mnt(int way) const { return served_[way].mnt; }
+
+ private:
+  std::string root_;
+  LoopThread lt_;
+  std::vector<Served> served_;
+};
+
+// One slice of one measure on `mnt`: (work done, seconds).
+using Measure = std::pair<double, double> (*)(const std::string& mnt, const std::string& tag);
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::pair<double, double> SeqRead(const std::string& mnt, const std::string&) {
+  int fd = open((mnt + "/data.bin").c_str(), O_RDONLY | O_CLOEXEC);
+  CHECK_GE(fd, 0) << mnt;
+  posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  std::vector<char> buf(kChunk);
+  size_t got = 0;
+  const auto t = Clock::now();
+  for (ssize_t n; (n = read(fd, buf.data(), buf.size())) > 0;) got += static_cast<size_t>(n);
+  const double s = Since(t);
+  close(fd);
+  CHECK_EQ(got, kReadBytes);
+  return {got / 1e6, s};
+}
+
+std::pair<double, double> SeqWrite(const std::string& mnt, const std::string& tag) {
+  const std::string path = mnt + "/w-" + tag;
+  std::vector<char> buf(kChunk, 'w');
+  const auto t = Clock::now();
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  CHECK_GE(fd, 0) << path;
+  for (size_t done = 0; done < kWriteBytes; done += kChunk) CHECK_EQ(write(fd, buf.data(), kChunk), (ssize_t)kChunk);
+  CHECK_EQ(fsync(fd), 0);
+  close(fd);
+  const double s = Since(t);
+  unlink(path.c_str());
+  return {kWriteBytes / 1e6, s};
+}
+
+std::pair<double, double> Stat(const std::string& mnt, const std::string&) {
+  const std::string path = mnt + "/data.bin";
+  const int n = 2000;
+  const auto t = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    struct statx stx;
+    CHECK_EQ(statx(AT_FDCWD, path.c_str(), AT_STATX_FORCE_SYNC, STATX_BASIC_STATS, &stx), 0);
+  }
+  return {static_cast<double>(n), Since(t)};
+}
+
+std::pair<double, double> CreateUnlink(const std::string& mnt, const std::string& tag) {
+  const int n = 300;
+  const auto t = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    const std::string path = absl::StrCat(mnt, "/c-", tag, "-", i);
+    int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    CHECK_GE(fd, 0) << path << ": " << strerror(errno);
+    close(fd);
+    CHECK_EQ(unlink(path.c_str()), 0);
+  }
+  return {static_cast<double>(n), Since(t)};
+}
+
+std::pair<double, double> RandRead(const std::string& mnt, const std::string& tag) {
+  int fd = open((mnt + "/data.bin").c_str(), O_RDONLY | O_CLOEXEC);
+  CHECK_GE(fd, 0);
+  std::mt19937_64 rng(std::hash<std::string>()(tag));
+  char buf[4096];
+  const int n = 1000;
+  const auto t = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    const off_t off = static_cast<off_t>(rng() % (kReadBytes / 4096)) * 4096;
+    posix_fadvise(fd, off, 4096, POSIX_FADV_DONTNEED);
+    CHECK_EQ(pread(fd, buf, sizeof(buf), off), 4096);
+  }
+  const double s = Since(t);
+  close(fd);
+  return {static_cast<double>(n), s};
+}
+
+struct Named {
+  const char* name;
+  Measure fn;
+  bool writes;
+};
+const Named kMeasures[] = {{"read", SeqRead, false},
+                           {"write", SeqWrite, true},
+                           {"stat", Stat, false},
+                           {"create", CreateUnlink, true},
+                           {"rand4k", RandRead, false}};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void BM_Program(benchmark::State& state, const Program* p) {
+  if (access(p->binary, X_OK) != 0) {
+    state.SkipWithError(absl::StrCat(p->binary, " is not installed").c_str());
+    return;
+  }
+  for (auto _ : state) {
+    char templ[] = "/tmp/fk-progbench-XXXXXX";
+    CHECK(mkdtemp(templ) != nullptr);
+    const std::string root = templ;
+    CHECK_EQ(mount("tmpfs", root.c_str(), "tmpfs", 0, "size=1g"), 0);
+    const std::string src = root + "/src", w = root + "/w";
+    fs::create_directories(src);
+    fs::create_directories(w);
+    {
+      std::ofstream out(src + "/data.bin", std::ios::binary);
+      std::mt19937_64 rng(1);
+      std::vector<uint64_t> block(kChunk / 8);
+      for (size_t done = 0; done < kReadBytes; done += kChunk) {
+        for (auto& x : block) x = rng();
+        out.write(reinterpret_cast<const char*>(block.data()), kChunk);
+      }
+    }
+    std::string err;
+    if (p->setup[0] != '\0' &&
+        !Shell(absl::StrReplaceAll(std::string(p->setup), {{"$W", w}, {"$SRC", src}}))) {
+      err = absl::StrCat(p->name, ": setup failed");
+    }
+    // gocryptfs keeps its files encrypted: data.bin is written through its direct mount first.
+    std::map<std::string, std::vector<double>> rate[3];
+    {
+      Bench b(root);
+      for (int way : {kDirect, kInProgram, kHop}) {
+        if (err.empty()) err = b.Start(*p, way, w, src);
+        if (!err.empty()) break;
+        if (way == kDirect && std::string(p->name) == "gocryptfs") {
+          CHECK(Shell(absl::StrCat("cp ", src, "/data.bin ", b.mnt(kDirect), "/data.bin")));
+        }
+      }
+      struct stat st;
+      if (err.empty() && stat((b.mnt(kHop) + "/data.bin").c_str(), &st) != 0) err = "no data.bin in the volume";
+      if (err.empty()) {
+        for (int round = 0; round < kRounds; ++round) {
+          for (const Named& m : kMeasures) {
+            if (m.writes && !p->writable) continue;
+            for (int way : {kDirect, kInProgram, kHop}) {
+              const auto [work, secs] = m.fn(b.mnt(way), absl::StrCat(WayName(way), round));
+              rate[way][m.name].push_back(work / secs);
+            }
+          }
+        }
+      }
+    }
+    umount2(root.c_str(), MNT_DETACH);
+    rmdir(root.c_str());
+    if (!err.empty()) {
+      state.SkipWithError(err.c_str());
+      return;
+    }
+    for (const Named& m : kMeasures) {
+      if (m.writes && !p->writable) continue;
+      const double direct = Median(rate[kDirect][m.name]);
+      state.counters[absl::StrCat(m.name, "_direct")] = direct;
+      state.counters[absl::StrCat(m.name, "_inprog")] = Median(rate[kInProgram][m.name]) / direct;
+      state.counters[absl::StrCat(m.name, "_hop")] = Median(rate[kHop][m.name]) / direct;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fusekeeper
+
+int main(int argc, char** argv) {
+  google::InitGoogleLogging(argv[0]);
+  if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    fprintf(stderr, "programs_bench needs root (a private mount namespace): %s\n", strerror(errno));
+    return 1;
+  }
+  for (const auto& p : fusekeeper::kPrograms) {
+    benchmark::RegisterBenchmark(absl::StrCat("BM_Program/", p.name).c_str(), fusekeeper::BM_Program, &p)
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}
