@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mount.h>
+#include <sys/fsuid.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -52,6 +53,8 @@ constexpr size_t kReadBytes = 64 << 20;
 constexpr size_t kWriteBytes = 16 << 20;
 constexpr size_t kChunk = 1 << 20;
 constexpr int kRounds = 3;
+// The programs run unprivileged, as in a pod (as root, libfuse would mount by itself).
+constexpr uid_t kServerUid = 65534;
 
 struct Program {
   const char* name;
@@ -141,9 +144,14 @@ class Bench {
     auto dev = OpenFuseDeviceBlocking();
     if (!dev.ok()) return dev.status().ToString();
     UniqueFd target(open(s.mnt.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (auto m = MountFuseBlocking(dev->get(), target.get(), s.mnt, {.source = p.name}); !m.ok()) return m.ToString();
+    if (auto m = MountFuseBlocking(dev->get(), target.get(), s.mnt,
+                                   {.source = p.name, .user_id = kServerUid, .group_id = kServerUid});
+        !m.ok()) {
+      return m.ToString();
+    }
     UniqueFd dir(open(s.sockdir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    auto listen = HandoffEndpoint::ListenBlocking(dir.get(), "s", 0, 0);
+    auto listen = HandoffEndpoint::ListenBlocking(dir.get(), "s", kServerUid, kServerUid);
+    chmod(s.sockdir.c_str(), 0755);
     if (!listen.ok()) return listen.status().ToString();
     auto served = std::make_shared<std::promise<void>>();
     lt_.Run([&] {
@@ -153,19 +161,37 @@ class Bench {
       config.volume_id = absl::StrCat("bench-", WayName(way));
       s.endpoint = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(*dev), config, {}, std::move(events));
     });
-    std::vector<std::string> cmd = {RunfilePath("agent/fkserve/fkserve"), "--socket=" + s.sockdir + "/s",
-                                    "--work_dir=" + root_};
+    // Runfiles live under /root (0700): the unprivileged launcher runs a copy, its preload library
+    // and fusermount beside it.
+    for (const char* f : {"fkserve", "libfkserve_preload.so", "fkserve-fusermount"}) {
+      fs::copy_file(RunfilePath(std::string("agent/fkserve/") + f), root_ + "/" + f, fs::copy_options::skip_existing);
+      chmod((root_ + "/" + f).c_str(), 0755);
+    }
+    std::vector<std::string> cmd = {root_ + "/fkserve", "--socket=" + s.sockdir + "/s", "--work_dir=" + root_};
     if (way == kDirect) cmd.push_back("--direct");
     if (way == kHop) cmd.push_back("--in_program=false");
     cmd.insert(cmd.end(), {"launch", "--"});
     for (const std::string& a : p.args) cmd.push_back(absl::StrReplaceAll(a, {{"$W", w}, {"$SRC", src}}));
-    s.server = std::make_unique<Subprocess>(cmd);
+    s.server = std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [] {
+      if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) _exit(99);
+    });
     if (served->get_future().wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
       return absl::StrCat(p.name, " ", WayName(way), " never served: ", s.server->Stderr());
     }
     // The first answer (FUSE_INIT, a GETATTR) before any measure: stat waits for it.
+    // (Bounded: a program that mounted something else would leave it waiting.)
     struct stat st;
-    if (stat(s.mnt.c_str(), &st) != 0) return absl::StrCat(p.name, " ", WayName(way), ": ", strerror(errno));
+    auto result = std::make_shared<std::promise<int>>();
+    auto answered = result->get_future();
+    std::thread([result, mnt = s.mnt] {
+      struct stat st;
+      result->set_value(stat(mnt.c_str(), &st) == 0 ? 0 : errno);
+    }).detach();
+    if (answered.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      return absl::StrCat(p.name, " ", WayName(way), ": its mount does not answer: ", s.server->Stderr());
+    }
+    if (int e = answered.get(); e != 0) return absl::StrCat(p.name, " ", WayName(way), ": ", strerror(e));
+    (void)st;
     if (way == kInProgram && s.server->CountInStderr("reads the kernel's connection itself") == 0) {
       return absl::StrCat(p.name, ": the relay's core did not enter it: ", s.server->Stderr());
     }
@@ -204,7 +230,7 @@ std::pair<double, double> SeqWrite(const std::string& mnt, const std::string& ta
   std::vector<char> buf(kChunk, 'w');
   const auto t = Clock::now();
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  CHECK_GE(fd, 0) << path;
+  CHECK_GE(fd, 0) << path << ": " << strerror(errno);
   for (size_t done = 0; done < kWriteBytes; done += kChunk) CHECK_EQ(write(fd, buf.data(), kChunk), (ssize_t)kChunk);
   CHECK_EQ(fsync(fd), 0);
   close(fd);
@@ -292,11 +318,13 @@ void BM_Program(benchmark::State& state, const Program* p) {
         out.write(reinterpret_cast<const char*>(block.data()), kChunk);
       }
     }
+    chmod(root.c_str(), 0755);
     std::string err;
     if (p->setup[0] != '\0' &&
         !Shell(absl::StrReplaceAll(std::string(p->setup), {{"$W", w}, {"$SRC", src}}))) {
       err = absl::StrCat(p->name, ": setup failed");
     }
+    if (err.empty() && !Shell(absl::StrCat("chown -R ", kServerUid, ":", kServerUid, " ", src, " ", w))) err = "chown";
     // gocryptfs keeps its files encrypted: data.bin is written through its direct mount first.
     std::map<std::string, std::vector<double>> rate[3];
     {
@@ -311,6 +339,10 @@ void BM_Program(benchmark::State& state, const Program* p) {
       struct stat st;
       if (err.empty() && stat((b.mnt(kHop) + "/data.bin").c_str(), &st) != 0) err = "no data.bin in the volume";
       if (err.empty()) {
+        // As the server's user, as a pod of it would (a program that is not root cannot make
+        // root's files: fuse-overlayfs).
+        setfsgid(kServerUid);
+        setfsuid(kServerUid);
         for (int round = 0; round < kRounds; ++round) {
           for (const Named& m : kMeasures) {
             if (m.writes && !p->writable) continue;
@@ -320,6 +352,8 @@ void BM_Program(benchmark::State& state, const Program* p) {
             }
           }
         }
+        setfsuid(0);
+        setfsgid(0);
       }
     }
     umount2(root.c_str(), MNT_DETACH);

@@ -219,6 +219,22 @@ ssize_t InProgram::Read(void* buf, size_t count) {
 }
 
 ssize_t InProgram::Write(const iovec* iov, int iovcnt) {
+  size_t total = 0;
+  for (int i = 0; i < iovcnt; ++i) total += iov[i].iov_len;
+  if (total > 4096 && iovcnt > 0 && iov[0].iov_len >= sizeof(fuse_out_header)) {
+    fuse_out_header h;
+    memcpy(&h, iov[0].iov_base, sizeof(h));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (h.len == total && h.error == 0 && core_->HeaderOnlyReply(h.unique)) {
+      header_ = h;
+      header_iov_ = iov;
+      header_iovcnt_ = iovcnt;
+      core_->FromProgram(reinterpret_cast<char*>(&header_), total);
+      header_iov_ = nullptr;
+      AfterCore();
+      return static_cast<ssize_t>(total);
+    }
+  }
   thread_local std::string msg;
   msg.clear();
   for (int i = 0; i < iovcnt; ++i) msg.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
@@ -268,9 +284,29 @@ void InProgram::ToKernel(const char* data, size_t len) {
     return;
   }
   ssize_t n;
-  do {
-    n = RawWrite(kernel_.get(), data, len);
-  } while (n < 0 && errno == EINTR);
+  if (data == reinterpret_cast<const char*>(&header_) && header_iov_ != nullptr) {
+    // The header as the core left it, then the program's data after its own header.
+    std::vector<iovec> out;
+    out.reserve(header_iovcnt_ + 1);
+    out.push_back({&header_, sizeof(header_)});
+    size_t skip = sizeof(fuse_out_header);
+    for (int i = 0; i < header_iovcnt_; ++i) {
+      const size_t l = header_iov_[i].iov_len;
+      if (skip >= l) {
+        skip -= l;
+        continue;
+      }
+      out.push_back({static_cast<char*>(header_iov_[i].iov_base) + skip, l - skip});
+      skip = 0;
+    }
+    do {
+      n = syscall(SYS_writev, kernel_.get(), out.data(), static_cast<int>(out.size()));
+    } while (n < 0 && errno == EINTR);
+  } else {
+    do {
+      n = RawWrite(kernel_.get(), data, len);
+    } while (n < 0 && errno == EINTR);
+  }
   if (n < 0 && errno == ENODEV) ended_ = true;
 }
 

@@ -29,6 +29,7 @@
 // relayed by the launcher as before.
 #pragma once
 
+#include <linux/fuse.h>
 #include <stddef.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -97,6 +98,11 @@ class InProgram final : public RelayOutput {
   // program goes straight into it.
   char* direct_ = nullptr;
   size_t direct_cap_ = 0, direct_len_ = 0;
+  // A READ's reply: the core is given its header only (RelayCore::HeaderOnlyReply); the data
+  // goes to the kernel from the program's own iovecs.
+  fuse_out_header header_{};
+  const iovec* header_iov_ = nullptr;
+  int header_iovcnt_ = 0;
 };
 
 }  // namespace fusekeeper::relay

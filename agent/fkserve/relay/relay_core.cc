@@ -1077,6 +1077,12 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
   Complete(h.unique);
 }
 
+bool RelayCore::HeaderOnlyReply(uint64_t unique) const {
+  auto it = requests_.find(unique);
+  return it != requests_.end() && it->second.opcode == FUSE_READ && it->second.state == State::kSent &&
+         it->second.instance == instance_;
+}
+
 void RelayCore::NoteChange(Request& r, const char* reply, size_t len) {
   const bool keep = durability_ == Durability::kAtSync;
   auto add = [&](uint64_t kid, uint64_t kfh, std::string msg) {

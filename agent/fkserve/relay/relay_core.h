@@ -109,6 +109,12 @@ class RelayCore {
   // The state as a journal would restore it (tests).
   SavedState SaveForTest() const;
 
+  // The reply the program is about to send for `unique` is read by the core only as far as its
+  // header (a READ's: the data goes to the kernel untouched), so FromProgram may be given the
+  // header alone with `len` the whole reply's length (in_program.h writes the data from the
+  // program's own buffers).
+  bool HeaderOnlyReply(uint64_t unique) const;
+
   bool program_attached() const { return attached_; }
   // The kernel has its INIT answer (the connection is serving).
   bool initialized() const { return init_done_; }
