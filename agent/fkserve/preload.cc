@@ -213,11 +213,10 @@ FK_EXPORT ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out,
   }
   const bool ours = Ours(fd_out);
   if (!ours && (off_out != nullptr || !IsSeqpacketSocket(fd_out))) return real(fd_in, off_in, fd_out, off_out, len, flags);
-  char* buf = static_cast<char*>(malloc(len > 0 ? len : 1));
-  if (buf == nullptr) {
-    errno = ENOMEM;
-    return -1;
-  }
+  // One buffer per thread, kept (a fresh one per reply would fault its pages in every time).
+  thread_local std::vector<char> reused;
+  if (reused.size() < len) reused.resize(len);
+  char* buf = reused.data();
   size_t got = 0;
   while (got < len) {
     const ssize_t n = off_in != nullptr ? pread(fd_in, buf + got, len - got, *off_in + static_cast<loff_t>(got))
@@ -229,19 +228,12 @@ FK_EXPORT ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out,
   if (off_in != nullptr) *off_in += static_cast<loff_t>(got);
   if (ours) {
     iovec iov{buf, got};
-    const ssize_t n = in_program->Write(&iov, 1);
-    const int err = errno;
-    free(buf);
-    errno = err;
-    return n;
+    return in_program->Write(&iov, 1);
   }
   ssize_t sent;
   do {
     sent = send(fd_out, buf, got, MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
-  const int err = errno;
-  free(buf);
-  errno = err;
   return sent;
 }
 
