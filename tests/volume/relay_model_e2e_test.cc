@@ -66,6 +66,10 @@ class RelayModelTest : public ProgramsE2ETest {
     std::mt19937 rng(seed);
     int restarts = 0;  // of the current launcher's program
     int launcher_kills = 0;
+    // A program that stores only at unmount (fuse2fs) may be left by a kill with an image it
+    // refuses to start from ("Block bitmap checksum does not match"): the launcher gives up and
+    // says so. Its writes were never promised (EIO at fsync/close); that end is reported.
+    std::string gave_up;
     for (int i = 1; i <= kills; ++i) {
       if (i % 7 == 0) {
         // The launcher and its program at once (a container restarted, an image upgraded).
@@ -74,7 +78,12 @@ class RelayModelTest : public ProgramsE2ETest {
         restarts = 1;  // its first instance is reported as a restart
         ++launcher_kills;
       } else {
-        ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, ++restarts)) << "kill " << i << ": " << say();
+        const bool restarted = KillProgramAndWaitForRestart(launcher, ++restarts);
+        if (!restarted && durability == relay::Durability::kAtUnmount && launcher->CountInStderr("gave up after") > 0) {
+          gave_up = absl::StrCat(", then it could not start again after kill ", i, " (the launcher gave up on it)");
+          break;
+        }
+        ASSERT_TRUE(restarted) << "kill " << i << ": " << say();
       }
       if (i == kills / 2) {
         // The agent killed and started again: the launcher re-deposits the connection and its state.
@@ -91,17 +100,17 @@ class RelayModelTest : public ProgramsE2ETest {
     if (const char* steps = getenv("FUSEKEEPER_MODEL_STEPS"); steps != nullptr) {
       ASSERT_TRUE(app.WaitForSteps(atoi(steps))) << say();
     }
-    const bool verified = app.Verify();
-    if (!direct) {
+    const bool verified = gave_up.empty() && app.Verify();
+    if (!direct && gave_up.empty()) {
       ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, ++restarts)) << say();
     }
-    const bool verified_again = app.Verify();
+    const bool verified_again = gave_up.empty() && app.Verify();
     const bool stopped = app.Stop();
     std::cout << "RESULT model " << prog.name << (busy ? " busy" : " idle") << " (durability "
               << relay::DurabilityName(durability) << "): " << kills << " kill -9 (" << launcher_kills
               << " of the launcher, " << (kills >= 2 ? 1 : 0) << " agent restart)" << (direct ? ", direct" : "") << ", " << app.steps() << " steps of 6 operations, " << app.error_count()
               << " errors (" << app.Count('W') << " wrong bytes, " << app.Count('E') << " EIO at fsync/close, "
-              << app.Count('X') << " other)\n";
+              << app.Count('X') << " other)" << gave_up << "\n";
     if (zero_errors) {
       // Not one error, not one read of bytes the file never had, every file as the model says.
       EXPECT_EQ(app.Count('W'), 0) << say();

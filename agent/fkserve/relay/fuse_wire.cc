@@ -1,5 +1,7 @@
 #include "agent/fkserve/relay/fuse_wire.h"
 
+#include <cstddef>
+
 #include "absl/strings/str_cat.h"
 
 namespace fusekeeper::relay {

@@ -16,9 +16,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "agent/fkserve/fusermount_protocol.h"
 #include "agent/fkserve/relay/durability.h"
 #include "agent/fkserve/relay/fuse_wire.h"
@@ -95,12 +93,12 @@ std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, i
     return nullptr;
   }
   UniqueFd kernel(kfd);
-  std::vector<std::string> words = absl::StrSplit(text, '\n');
-  if (!kernel || words.size() != 2 || words[0] != "ok") {
+  const size_t nl = text.find('\n');
+  if (!kernel || nl == std::string::npos || text.substr(0, nl) != "ok") {
     *why = absl::StrCat("the launcher refused: ", text);
     return nullptr;
   }
-  const std::optional<Durability> durability = ParseDurability(words[1]);
+  const std::optional<Durability> durability = ParseDurability(text.substr(nl + 1));
   int jfd = -1;
   if (!durability || !ReceiveWithFd(sock.get(), &text, &jfd) || jfd < 0) {
     if (jfd >= 0) close(jfd);
