@@ -141,14 +141,30 @@ std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, i
   p->core_ = std::make_unique<RelayCore>(p.get(), read_size, *durability);
   p->core_->SetJournal(p->journal_.get());
   if (!saved.init_request.empty()) p->core_->Restore(saved);
-  p->core_->ProgramStarted();
   // What was read and not answered (the INIT a first instance's relay read, a dead instance's
-  // requests) comes again, to this core.
+  // requests) comes again, to this core, and is taken in before the program is: a RENAME the
+  // dead instance may have done must be decided (RelayCore::Check) before any request of the
+  // new one resolves a path through it (seen: ESTALE on files a rename in flight had moved,
+  // sshfs and unionfs-fuse under the model-checking writer, when these arrived after the
+  // program's INIT).
   const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
   if (RawWrite(p->kernel_.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
     *why = absl::StrCat("asking the kernel to resend (FUSE_NOTIFY_RESEND, Linux 6.9+): ", strerror(errno));
     return nullptr;
   }
+  std::vector<char> buf(read_size);
+  while (true) {
+    const ssize_t n = RawRead(p->kernel_.get(), buf.data(), buf.size());
+    if (n > 0) {
+      p->core_->FromKernel(buf.data(), static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && (errno == EINTR || errno == ENOENT)) continue;
+    if (n < 0 && errno == EAGAIN) break;
+    *why = absl::StrCat("reading the kernel's connection: ", n == 0 ? "end of file" : strerror(errno));
+    return nullptr;
+  }
+  p->core_->ProgramStarted();
   // Calls the preload library does not see (poll, ioctl, splice of the program's own) reach the
   // kernel's connection, not a socket nobody reads.
   if (dup3(p->kernel_.get(), program_fd, O_CLOEXEC) < 0) {

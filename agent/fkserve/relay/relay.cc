@@ -321,6 +321,9 @@ struct Relay::LoopState final : RelayOutput {
     }
     handed_over = false;
     held.Reset();
+    // Taken in now, before the next instance is attached: a request the dead one may have done
+    // is decided before any of the next one's resolves a path (in_program.cc says why).
+    DrainKernel();
     if (!kpoll_armed) ArmKernelPoll();
     return absl::OkStatus();
   }
