@@ -599,6 +599,11 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     // An instance that served with the relay's core in it: the relay carries on from what that
     // core journaled, as after a launcher's death.
     bool in_program = false, in_program_served = false;
+    // Every process of the instance has ended, so its report socket ends: what it said is all
+    // read once its reader is done (a "served" still on its way would count it as silent).
+    for (std::thread& t : ip.readers) {
+      if (t.joinable()) t.join();
+    }
     {
       std::lock_guard<std::mutex> lock(ip.mu);
       in_program = ip.claimed;
@@ -673,7 +678,9 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     link_for_callbacks = nullptr;
   }
   if (relay) relay->Stop();
-  for (std::thread& t : ip.readers) t.join();  // every process of the program has ended
+  for (std::thread& t : ip.readers) {
+    if (t.joinable()) t.join();  // every process of the program has ended
+  }
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
   // Relayed, the program cannot tell an unmount from its connection closing: the volume was
