@@ -601,9 +601,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     bool in_program = false, in_program_served = false;
     // Every process of the instance has ended, so its report socket ends: what it said is all
     // read once its reader is done (a "served" still on its way would count it as silent).
-    for (std::thread& t : ip.readers) {
-      if (t.joinable()) t.join();
-    }
+    for (std::thread& t : ip.readers) t.join();
+    ip.readers.clear();
     {
       std::lock_guard<std::mutex> lock(ip.mu);
       in_program = ip.claimed;
@@ -612,8 +611,8 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     }
     if (relay && in_program) {
       if (absl::Status taken = relay->TakeBack(); !taken.ok()) {
-        // ENODEV: the connection ended (unmounted), which is why the program stopped.
-        if (absl::StrContains(taken.message(), strerror(ENODEV))) {
+        // The connection ended (unmounted), which is why the program stopped.
+        if (absl::IsUnavailable(taken)) {
           connection_ended = true;
         } else {
           end.why = absl::StrCat(end.why, "; the relay cannot carry on from its state: ", taken.message());
@@ -678,9 +677,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     link_for_callbacks = nullptr;
   }
   if (relay) relay->Stop();
-  for (std::thread& t : ip.readers) {
-    if (t.joinable()) t.join();  // every process of the program has ended
-  }
+  for (std::thread& t : ip.readers) t.join();  // every process of the program has ended
   link.Report(false, why);
   fprintf(stderr, "fkserve: %s\n", why.c_str());
   // Relayed, the program cannot tell an unmount from its connection closing: the volume was

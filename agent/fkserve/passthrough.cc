@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 
+#include "agent/fkserve/relay/fuse_wire.h"
 #include "absl/strings/str_cat.h"
 
 namespace fusekeeper {
@@ -572,8 +573,6 @@ struct ReplayIo {
   uint64_t init_unique = 0;
 };
 
-constexpr int32_t kFuseNotifyResend = 7;  // FUSE_NOTIFY_RESEND, protocol 7.40
-
 ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
   auto* io = static_cast<ReplayIo*>(static_cast<Fs*>(userdata)->io());
   if (!io->replayed && !io->init.empty()) {
@@ -596,10 +595,9 @@ ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
       io->answered = true;
       size_t total = 0;
       for (int i = 0; i < count; ++i) total += iov[i].iov_len;
-      fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
-      if (write(fd, &resend, sizeof(resend)) < 0) {
+      if (const int err = relay::AskKernelToResend(fd); err != 0) {
         fprintf(stderr, "fkserve: the kernel cannot resend requests (%s); requests the previous "
-                "server had read stay unanswered\n", strerror(errno));
+                "server had read stay unanswered\n", strerror(err));
       }
       return static_cast<ssize_t>(total);
     }

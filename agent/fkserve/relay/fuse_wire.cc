@@ -1,5 +1,8 @@
 #include "agent/fkserve/relay/fuse_wire.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstddef>
 
 #include "absl/strings/str_cat.h"
@@ -114,6 +117,19 @@ std::string ErrorReply(uint64_t unique, int error) {
   h.error = -error;
   h.unique = unique;
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+}  // namespace fusekeeper::relay
+
+namespace fusekeeper::relay {
+
+int AskKernelToResend(int kernel_fd) {
+  const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
+  ssize_t n;
+  do {
+    n = write(kernel_fd, &resend, sizeof(resend));
+  } while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(sizeof(resend)) ? 0 : (n < 0 ? errno : EIO);
 }
 
 }  // namespace fusekeeper::relay

@@ -56,6 +56,11 @@ inline constexpr uint64_t kOwnUniqueBit = 1ULL << 62;
 inline constexpr uint64_t kResendUniqueBit = 1ULL << 63;
 inline constexpr int32_t kFuseNotifyResend = 7;  // FUSE_NOTIFY_RESEND
 
+// Asks the kernel to send again every request read from `kernel_fd`'s connection and not answered
+// (FUSE_NOTIFY_RESEND, Linux 6.9+: they come back with kResendUniqueBit). 0, or the errno
+// (ENODEV: the connection has ended).
+int AskKernelToResend(int kernel_fd);
+
 // Requests the kernel expects no reply to.
 bool IsNoReply(uint32_t opcode);
 

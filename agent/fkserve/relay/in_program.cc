@@ -147,9 +147,8 @@ std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, i
   // new one resolves a path through it (seen: ESTALE on files a rename in flight had moved,
   // sshfs and unionfs-fuse under the model-checking writer, when these arrived after the
   // program's INIT).
-  const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
-  if (RawWrite(p->kernel_.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
-    *why = absl::StrCat("asking the kernel to resend (FUSE_NOTIFY_RESEND, Linux 6.9+): ", strerror(errno));
+  if (const int err = AskKernelToResend(p->kernel_.get()); err != 0) {
+    *why = absl::StrCat("asking the kernel to resend (FUSE_NOTIFY_RESEND, Linux 6.9+): ", strerror(err));
     return nullptr;
   }
   std::vector<char> buf(read_size);

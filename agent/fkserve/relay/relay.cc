@@ -313,18 +313,29 @@ struct Relay::LoopState final : RelayOutput {
     if (!saved.init_request.empty()) fresh->Restore(saved);
     core = std::move(fresh);
     journal = std::move(*j);
-    const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
-    if (write(kernel.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
-      const int err = errno;
-      if (err == ENODEV) ended = true;
-      return absl::FailedPreconditionError(absl::StrCat("asking the kernel to resend: ", strerror(err)));
-    }
     handed_over = false;
     held.Reset();
-    // Taken in now, before the next instance is attached: a request the dead one may have done
-    // is decided before any of the next one's resolves a path (in_program.cc says why).
-    DrainKernel();
+    if (absl::Status s = ResendAndTakeIn(); !s.ok()) return s;
     if (!kpoll_armed) ArmKernelPoll();
+    return absl::OkStatus();
+  }
+
+  // What the kernel's connection had read and not answered (by a dead launcher, or a dead
+  // instance with the core in it) is sent again, and taken into the core now, before the next
+  // instance is attached: a request the dead one may have done (a RENAME) is decided before any
+  // of the next one's resolves a path through it (in_program.cc says what it cost). ENODEV: the
+  // connection has ended (UNAVAILABLE).
+  absl::Status ResendAndTakeIn() {
+    if (const int err = AskKernelToResend(kernel.get()); err != 0) {
+      if (err == ENODEV) {
+        ended = true;
+        return absl::UnavailableError("the kernel's connection has ended");
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the kernel cannot resend the requests read and not answered (FUSE_NOTIFY_RESEND, Linux 6.9+): ",
+          strerror(err)));
+    }
+    DrainKernel();
     return absl::OkStatus();
   }
 
@@ -350,6 +361,17 @@ struct Relay::LoopState final : RelayOutput {
     loop->AddTimer(tick, [this, tick] { Watch(tick); });
   }
 
+  std::string InitTimeoutWhy() const {
+    return absl::StrCat("did not answer the kernel's FUSE_INIT within ", limits.init_timeout.count(),
+                        " ms of its start");
+  }
+  // `in_flight`: how many, where the relay knows (0: it does not).
+  std::string StallWhy(size_t in_flight, int64_t quiet_ms) const {
+    return absl::StrCat("stopped answering: ", in_flight > 0 ? absl::StrCat(in_flight, " ") : "",
+                        "request(s) in flight to it and no message from it for ", quiet_ms,
+                        " ms (--program_stall_ms=", limits.stall.count(), ")");
+  }
+
   // Handed over: the instance's pulse, and the kernel's queue (requests no thread of it reads).
   void CheckHandedOver() {
     using std::chrono::milliseconds;
@@ -357,10 +379,7 @@ struct Relay::LoopState final : RelayOutput {
     const int64_t now_ns = MonotonicNs();
     std::string why;
     if (!pulse->init_done) {
-      if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) {
-        why = absl::StrCat("did not answer the kernel's FUSE_INIT within ", limits.init_timeout.count(),
-                           " ms of its start");
-      }
+      if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) why = InitTimeoutWhy();
     } else if (limits.stall.count() > 0) {
       const int64_t activity = pulse->last_activity_ns.load();
       pollfd p{kernel.get(), POLLIN, 0};
@@ -377,8 +396,7 @@ struct Relay::LoopState final : RelayOutput {
       }
       if (quiet_ns >= std::chrono::duration_cast<std::chrono::nanoseconds>(limits.stall).count()) {
         // (In flight: read by it and not answered, or waiting in the kernel for it to read.)
-        why = absl::StrCat("stopped answering: request(s) in flight to it and no message from it for ",
-                           quiet_ns / 1000000, " ms (--program_stall_ms=", limits.stall.count(), ")");
+        why = StallWhy(0, quiet_ns / 1000000);
       }
     }
     if (why.empty()) return;
@@ -395,16 +413,11 @@ struct Relay::LoopState final : RelayOutput {
     const LoopClock::time_point now = LoopClock::now();
     std::string why;
     if (!core->initialized()) {
-      if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) {
-        why = absl::StrCat("did not answer the kernel's FUSE_INIT within ", limits.init_timeout.count(),
-                           " ms of its start");
-      }
+      if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) why = InitTimeoutWhy();
     } else if (limits.stall.count() > 0 && busy && core->requests_in_flight() > lock_waits.size()) {
       const LoopClock::time_point quiet_since = std::max(last_from_program, busy_since);
       if (now - quiet_since >= limits.stall) {
-        why = absl::StrCat("stopped answering: ", core->requests_in_flight(), " request(s) in flight to it and no message from it for ",
-                           duration_cast<milliseconds>(now - quiet_since).count(), " ms (--program_stall_ms=",
-                           limits.stall.count(), ")");
+        why = StallWhy(core->requests_in_flight(), duration_cast<milliseconds>(now - quiet_since).count());
       }
     }
     if (why.empty()) return;
@@ -469,11 +482,10 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   if (adopting) {
     // The requests the dead launcher had read wait in the kernel's processing queue: sent again
     // (unique | FUSE_UNIQUE_RESEND), they reach this relay's reads. Without it they would hang.
-    const fuse_out_header resend{sizeof(fuse_out_header), kFuseNotifyResend, 0};
-    if (write(st->kernel.get(), &resend, sizeof(resend)) != static_cast<ssize_t>(sizeof(resend))) {
+    if (const int err = AskKernelToResend(st->kernel.get()); err != 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the kernel cannot resend the requests the previous launcher had read (FUSE_NOTIFY_RESEND, Linux 6.9+): ",
-          strerror(errno)));
+          strerror(err)));
     }
   }
   // The kernel checks that a read can take its largest WRITE: header, fuse_write_in, max_write.

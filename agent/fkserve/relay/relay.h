@@ -91,7 +91,7 @@ class Relay {
   // Blocking. The handed-over instance is gone: the relay carries on from the state its core
   // left in the journal (as a new launcher would: nodes and handles restored, the kernel asked to
   // resend what the instance had read), ready for the next NewInstanceSocket. An error if the
-  // connection has ended (ENODEV) or the journal cannot be read.
+  // connection has ended (UNAVAILABLE) or the journal cannot be read.
   absl::Status TakeBack();
   size_t max_message_bytes() const { return max_message_; }
   // The state memfd (to deposit with the agent); valid while the relay lives (a TakeBack may
