@@ -479,15 +479,6 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
     st->core->SetJournal(st->journal.get());
   }
   r->state_fd_ = st->journal->fd();
-  if (adopting) {
-    // The requests the dead launcher had read wait in the kernel's processing queue: sent again
-    // (unique | FUSE_UNIQUE_RESEND), they reach this relay's reads. Without it they would hang.
-    if (const int err = AskKernelToResend(st->kernel.get()); err != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the kernel cannot resend the requests the previous launcher had read (FUSE_NOTIFY_RESEND, Linux 6.9+): ",
-          strerror(err)));
-    }
-  }
   // The kernel checks that a read can take its largest WRITE: header, fuse_write_in, max_write.
   st->pbuf.resize(r->max_message_);
   st->kbuf.resize(r->max_message_);
@@ -496,6 +487,12 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   const int fl = fcntl(st->kernel.get(), F_GETFL);
   if (fl < 0 || fcntl(st->kernel.get(), F_SETFL, fl | O_NONBLOCK) != 0) {
     return absl::InternalError(absl::StrCat("making the connection non-blocking: ", strerror(errno)));
+  }
+  if (adopting) {
+    // The requests the dead launcher had read wait in the kernel's processing queue: sent again
+    // (unique | FUSE_UNIQUE_RESEND), and taken in before the first instance is attached (as after
+    // a take-back). Without it they would hang.
+    if (absl::Status s = st->ResendAndTakeIn(); !s.ok()) return s;
   }
   st->ArmKernelPoll();
   r->state_ = std::move(st);
