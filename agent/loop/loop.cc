@@ -115,13 +115,17 @@ io_uring_sqe* Loop::GetSqe() {
 void Loop::Arm(io_uring_sqe* sqe, Completion* completion) {
   AssertLoopThread();
   CHECK(!completion->in_flight) << "Completion armed twice";
-  completion->in_flight = true;
   if (stopping_) {
     io_uring_prep_nop(sqe);
     io_uring_sqe_set_data(sqe, nullptr);
+    // Refused once per stop: a callback that arms again whatever it is told would otherwise be
+    // called and re-armed until the stop's bound.
+    if (!refused_once_.insert(completion).second) return;
+    completion->in_flight = true;
     refused_.push_back(completion);
     return;
   }
+  completion->in_flight = true;
   io_uring_sqe_set_data(sqe, completion);
   ++in_flight_;
   armed_.insert(completion);

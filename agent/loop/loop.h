@@ -92,7 +92,8 @@ class Loop {
   // Returns a zeroed SQE, submitting queued ones first if the submission queue is full.
   io_uring_sqe* GetSqe();
   // Attaches completion to sqe (which the caller has prepared). While the loop is stopping the
-  // operation is not submitted; the callback runs with -ECANCELED instead.
+  // operation is not submitted; the callback runs with -ECANCELED instead, once per completion
+  // and stop (armed again from that callback, it is dropped).
   void Arm(io_uring_sqe* sqe, Completion* completion);
   // Asks the kernel to cancel completion's operation. Its callback still runs (once, or with
   // more == false for multishot), normally with -ECANCELED.
@@ -142,6 +143,8 @@ class Loop {
   uint64_t iterations_ = 0;
   // Completions armed while stopping: their callbacks run with -ECANCELED, never submitted.
   std::vector<Completion*> refused_;
+  // Those refused during this stop: armed again, they are left alone (not in flight, not called).
+  std::unordered_set<Completion*> refused_once_;
   // All armed completions, for one-by-one cancellation where CANCEL_ANY is unsupported.
   std::unordered_set<Completion*> armed_;
 

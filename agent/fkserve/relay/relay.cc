@@ -143,7 +143,7 @@ struct Relay::LoopState final : RelayOutput {
     kpoll.callback = [this](int32_t res, bool more) {
       if (!more) kpoll_armed = false;
       // Cancelled by a HandOver that a TakeBack has undone since: read again.
-      const bool rearm = !more && !ended && !handed_over;
+      const bool rearm = !more && !ended && !handed_over && !loop->stop_requested();
       if (res == -ECANCELED || ended || handed_over) {
         if (rearm) ArmKernelPoll();
         return;
