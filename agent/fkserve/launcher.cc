@@ -525,11 +525,7 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
       fprintf(stderr, "fkserve: %s\n", adopted.c_str());
     }
     if (!r.ok()) {
-      const bool no_ring = absl::StrContains(r.status().message(), "io_uring");
-      return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message(),
-                                  no_ring ? " (a seccomp profile that refuses io_uring, such as containerd 2.0's "
-                                            "RuntimeDefault? allow io_uring_setup/enter/register, or run with --direct)"
-                                          : ""));
+      return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message()));
     }
     relay = std::move(*r);
     // An instance that never answers FUSE_INIT, or stops answering, is killed

@@ -2,10 +2,14 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <utility>
@@ -67,14 +71,25 @@ absl::StatusOr<std::unique_ptr<Loop>> Loop::Create(const LoopOptions& options) {
   } else if (r == 0) {
     loop->defer_taskrun_ = true;
   }
-  if (r < 0) return RingUnavailable(-r);
-  loop->ring_ready_ = true;
+  if (r < 0 && !options.epoll_without_ring) return RingUnavailable(-r);
+  if (r < 0) {
+    loop->without_ring_why_ = absl::StrCat("io_uring_setup: ", std::strerror(-r));
+    if (-r == EPERM || -r == EACCES || -r == ENOSYS) {
+      absl::StrAppend(&loop->without_ring_why_, " (a seccomp profile, as container runtimes' default, or "
+                                                "kernel.io_uring_disabled)");
+    }
+  } else {
+    loop->ring_ready_ = true;
+  }
 
   int efd = eventfd(0, EFD_CLOEXEC);
   if (efd < 0) {
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
   loop->wake_fd_.Reset(efd);
+  if (!loop->ring_ready_) {
+    if (absl::Status s = loop->SetUpEpoll(); !s.ok()) return s;
+  }
   Loop* self = loop.get();
   loop->wake_completion_.callback = [self](int32_t res, bool /*more*/) {
     self->wake_pending_.store(false, std::memory_order_release);
@@ -100,6 +115,8 @@ void Loop::AssertLoopThread() const {
 
 io_uring_sqe* Loop::GetSqe() {
   AssertLoopThread();
+  CHECK(!epoll_mode()) << "this loop has no ring (" << without_ring_why_
+                       << "): it offers PollAdd, Cancel, timers and posts only";
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
   if (sqe == nullptr) {
     // Submission queue full: hand what we have to the kernel, then there is room.
@@ -134,6 +151,12 @@ void Loop::Arm(io_uring_sqe* sqe, Completion* completion) {
 void Loop::Cancel(Completion* completion) {
   AssertLoopThread();
   if (!completion->in_flight || armed_.count(completion) == 0) return;
+  if (epoll_mode()) {
+    if (watches_.count(completion) == 0) return;  // ended already; its callback is queued
+    EpollForget(completion);
+    epoll_ended_.emplace_back(completion, -ECANCELED);
+    return;
+  }
   io_uring_sqe* sqe = GetSqe();
   io_uring_prep_cancel64(sqe, reinterpret_cast<uint64_t>(completion), 0);
   io_uring_sqe_set_data(sqe, nullptr);
@@ -146,6 +169,7 @@ void Loop::Read(Completion* c, int fd, void* buf, unsigned len, uint64_t offset)
 }
 
 void Loop::PollAdd(Completion* c, int fd, unsigned poll_mask, bool multishot) {
+  if (epoll_mode()) return EpollAdd(c, fd, poll_mask, multishot);
   io_uring_sqe* sqe = GetSqe();
   if (multishot) {
     io_uring_prep_poll_multishot(sqe, fd, poll_mask);
@@ -155,7 +179,100 @@ void Loop::PollAdd(Completion* c, int fd, unsigned poll_mask, bool multishot) {
   Arm(sqe, c);
 }
 
-void Loop::ArmWakeRead() { Read(&wake_completion_, wake_fd_.get(), &wake_buf_, sizeof(wake_buf_), 0); }
+void Loop::ArmWakeRead() {
+  if (epoll_mode()) return;  // the eventfd is watched for good (SetUpEpoll)
+  Read(&wake_completion_, wake_fd_.get(), &wake_buf_, sizeof(wake_buf_), 0);
+}
+
+absl::Status Loop::SetUpEpoll() {
+  epoll_fd_.Reset(epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_fd_.valid()) return absl::InternalError(absl::StrCat("epoll_create1: ", std::strerror(errno)));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev) != 0) {
+    return absl::InternalError(absl::StrCat("epoll_ctl of the wake eventfd: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+void Loop::EpollAdd(Completion* c, int fd, unsigned poll_mask, bool multishot) {
+  AssertLoopThread();
+  CHECK(!c->in_flight) << "Completion armed twice";
+  if (stopping_) {
+    if (!refused_once_.insert(c).second) return;  // as Arm: refused once per stop
+    c->in_flight = true;
+    refused_.push_back(c);
+    return;
+  }
+  c->in_flight = true;
+  ++in_flight_;
+  armed_.insert(c);
+  UniqueFd dup(fcntl(fd, F_DUPFD_CLOEXEC, 3));
+  if (!dup.valid()) {
+    epoll_ended_.emplace_back(c, -errno);
+    return;
+  }
+  const uint64_t id = next_watch_id_++;
+  epoll_event ev{};
+  ev.events = poll_mask | (multishot ? EPOLLET : EPOLLONESHOT);
+  ev.data.u64 = id;
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, dup.get(), &ev) != 0) {
+    epoll_ended_.emplace_back(c, -errno);
+    return;
+  }
+  watch_ids_.emplace(id, c);
+  watches_.emplace(c, EpollWatch{id, std::move(dup), multishot});
+}
+
+void Loop::EpollForget(Completion* c) {
+  auto it = watches_.find(c);
+  if (it == watches_.end()) return;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, it->second.fd.get(), nullptr);
+  watch_ids_.erase(it->second.id);
+  watches_.erase(it);  // closes the dup
+}
+
+void Loop::EpollWait(int timeout_ms) {
+  if (!epoll_ended_.empty()) timeout_ms = 0;
+  epoll_event events[64];
+  busy_since_ns_.store(0, std::memory_order_relaxed);
+  const int n = epoll_wait(epoll_fd_.get(), events, 64, timeout_ms);
+  busy_since_ns_.store(LoopClock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  if (n < 0 && errno != EINTR) LOG(ERROR) << "epoll_wait failed: " << std::strerror(errno);
+  auto finish = [this](Completion* c) {
+    c->in_flight = false;
+    --in_flight_;
+    armed_.erase(c);
+  };
+  for (int i = 0; i < n; ++i) {
+    const uint64_t id = events[i].data.u64;
+    if (id == 0) {
+      uint64_t count;
+      ssize_t r = ::read(wake_fd_.get(), &count, sizeof(count));
+      (void)r;
+      wake_pending_.store(false, std::memory_order_release);
+      continue;
+    }
+    // A callback earlier in this batch may have cancelled (or re-armed under a new id) this one.
+    auto it = watch_ids_.find(id);
+    if (it == watch_ids_.end()) continue;
+    Completion* c = it->second;
+    const bool more = watches_.at(c).multishot;
+    if (!more) {
+      EpollForget(c);
+      finish(c);
+    }
+    // EPOLLIN, EPOLLOUT, EPOLLERR, EPOLLHUP... have poll(2)'s values, as a ring poll's result.
+    c->callback(static_cast<int32_t>(events[i].events & ~(EPOLLET | EPOLLONESHOT)), more);
+  }
+  std::vector<std::pair<Completion*, int32_t>> ended;
+  ended.swap(epoll_ended_);
+  for (auto& [c, res] : ended) {
+    finish(c);
+    c->callback(res, false);
+  }
+}
 
 TimerId Loop::AddTimer(std::chrono::nanoseconds delay, absl::AnyInvocable<void()> fn) {
   AssertLoopThread();
@@ -251,6 +368,11 @@ void Loop::BeginStopping() {
   running_.store(false, std::memory_order_release);
   timer_queue_.clear();
   timers_.clear();
+  if (epoll_mode()) {
+    const std::vector<Completion*> armed(armed_.begin(), armed_.end());
+    for (Completion* c : armed) Cancel(c);
+    return;
+  }
   // One cancel per operation (rather than IORING_ASYNC_CANCEL_ANY, 5.19+) works on every
   // kernel with io_uring and costs O(in flight) once per process lifetime.
   for (Completion* c : armed_) {
@@ -343,6 +465,16 @@ void Loop::Run() {
         timeout = &ts;
       }
     }
+    if (epoll_mode()) {
+      int ms = -1;
+      if (timeout != nullptr) {
+        // Rounded up: a timer is never woken for early.
+        const int64_t wait_ms = int64_t{timeout->tv_sec} * 1000 + (timeout->tv_nsec + 999999) / 1000000;
+        ms = static_cast<int>(std::min<int64_t>(wait_ms, 3600 * 1000));
+      }
+      EpollWait(ms);
+      continue;
+    }
     io_uring_cqe* cqe = nullptr;
     busy_since_ns_.store(0, std::memory_order_relaxed);
     int r = io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, timeout, nullptr);
@@ -356,7 +488,7 @@ void Loop::Run() {
 }
 
 void Loop::FinishStopping() {
-  io_uring_submit(&ring_);  // flush any cancel requests still queued
+  if (ring_ready_) io_uring_submit(&ring_);  // flush any cancel requests still queued
   std::vector<absl::AnyInvocable<void()>> batch;
   {
     std::lock_guard<std::mutex> lock(post_mu_);

@@ -49,6 +49,10 @@ struct Completion {
 
 struct LoopOptions {
   unsigned ring_entries = 256;
+  // Where io_uring is refused (a container runtime's default seccomp profile, the
+  // kernel.io_uring_disabled sysctl), wait with epoll instead of failing. Such a loop offers
+  // PollAdd, Cancel, timers and posts only: Read and GetSqe/Arm need the ring (they CHECK).
+  bool epoll_without_ring = false;
 };
 
 using TimerId = uint64_t;
@@ -114,6 +118,8 @@ class Loop {
   uint64_t iterations() const { return iterations_; }
   // Whether the ring uses SINGLE_ISSUER|DEFER_TASKRUN.
   bool uses_defer_taskrun() const { return defer_taskrun_; }
+  // Why this loop waits with epoll (LoopOptions::epoll_without_ring); empty when it has a ring.
+  const std::string& without_ring_why() const { return without_ring_why_; }
 
  private:
   Loop() = default;
@@ -125,6 +131,14 @@ class Loop {
   void BeginStopping();
   void ArmWakeRead();
   void FinishStopping();
+  // The epoll backend: each PollAdd watches a dup of its fd (so one fd may carry several
+  // completions, as on the ring); a multishot one is edge-triggered (news only, as a multishot
+  // ring poll), a single-shot one EPOLLONESHOT.
+  bool epoll_mode() const { return epoll_fd_.valid(); }
+  absl::Status SetUpEpoll();
+  void EpollAdd(Completion* c, int fd, unsigned poll_mask, bool multishot);
+  void EpollForget(Completion* c);
+  void EpollWait(int timeout_ms);
 
   io_uring ring_{};
   bool ring_ready_ = false;
@@ -147,6 +161,19 @@ class Loop {
   std::unordered_set<Completion*> refused_once_;
   // All armed completions, for one-by-one cancellation where CANCEL_ANY is unsupported.
   std::unordered_set<Completion*> armed_;
+
+  struct EpollWatch {
+    uint64_t id;
+    UniqueFd fd;
+    bool multishot;
+  };
+  UniqueFd epoll_fd_;
+  std::string without_ring_why_;
+  uint64_t next_watch_id_ = 1;  // 0 is the wake eventfd
+  std::unordered_map<Completion*, EpollWatch> watches_;
+  std::unordered_map<uint64_t, Completion*> watch_ids_;
+  // Watches ended without an event (cancelled, or refused by epoll_ctl): callbacks to run.
+  std::vector<std::pair<Completion*, int32_t>> epoll_ended_;
 
   std::mutex post_mu_;
   std::vector<absl::AnyInvocable<void()>> posted_;  // guarded by post_mu_

@@ -20,6 +20,7 @@
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/with_deadline.h"
 #include "tests/testing/mount_fixture.h"
+#include "tests/testing/no_io_uring.h"
 #include "tests/testing/subprocess.h"
 
 namespace fusekeeper {
@@ -96,9 +97,11 @@ class FkserveTest : public ::testing::Test {
     cmd.push_back("--socket=" + sockdir_ + "/s");
     cmd.insert(cmd.end(), args.begin(), args.end());
     std::function<void()> drop;
-    if (uid != 0) {
-      drop = [uid] {
-        if (setresgid(uid, uid, uid) != 0 || setresuid(uid, uid, uid) != 0) _exit(99);
+    const bool no_ring = refuse_io_uring_;
+    if (uid != 0 || no_ring) {
+      drop = [uid, no_ring] {
+        if (uid != 0 && (setresgid(uid, uid, uid) != 0 || setresuid(uid, uid, uid) != 0)) _exit(99);
+        if (no_ring && !RefuseIoUring()) _exit(98);
       };
     }
     server_ = std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, drop);
@@ -122,6 +125,7 @@ class FkserveTest : public ::testing::Test {
   std::promise<std::string> notice_;
   bool noticed_ = false;
   std::unique_ptr<Subprocess> server_;
+  bool refuse_io_uring_ = false;  // the server runs under a seccomp filter that refuses io_uring
 };
 
 TEST_F(FkserveTest, ServesAPassthroughReadsWritesDirsRenamesXattrs) {
@@ -225,6 +229,54 @@ TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
     const bool says_in_program = server_->Stderr().find("reads the kernel's connection itself") != std::string::npos;
     EXPECT_EQ(has_device, mode != kHop) << "only through the launcher's hop does the program hold no device";
     EXPECT_EQ(says_in_program, mode == kInProgram) << server_->Stderr();
+    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
+    endpoint_.reset();
+  }
+}
+
+// Under a seccomp filter that refuses io_uring (the container runtimes' default profiles):
+// `fkserve serve` serves, and `fkserve launch` relays (its loop waits with epoll), in the program
+// and on the hop; a program killed under a reader holding the file open is restarted and the
+// reader reads on, the same bytes.
+TEST_F(FkserveTest, ServesAndRelaysWhereIoUringIsRefused) {
+  refuse_io_uring_ = true;
+  enum Mode { kServe, kInProgram, kHop };
+  for (const Mode mode : {kServe, kInProgram, kHop}) {
+    const char* name = mode == kServe ? "serve" : mode == kInProgram ? "in-program" : "hop";
+    SCOPED_TRACE(name);
+    served_ = std::promise<void>();
+    gone_ = std::promise<absl::Status>();
+    MountAndOffer({.volume_id = std::string("v-ring-") + name});
+    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "x\n"};
+    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
+    if (mode == kServe) args = {"serve", "--root=" + export_};
+    StartServer(args);
+    ASSERT_TRUE(WaitServed()) << server_->Stderr();
+    const std::string file = mnt_ + (mode == kServe ? "/existing.txt" : "/hello");
+    const std::string want = mode == kServe ? "already here\n" : "x\n";
+    UniqueFd held(open(file.c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(held.valid()) << strerror(errno) << server_->Stderr();
+    char buf[64];
+    ASSERT_EQ(pread(held.get(), buf, sizeof(buf), 0), static_cast<ssize_t>(want.size()));
+    if (mode != kServe) {
+      EXPECT_EQ(server_->CountInStderr("waiting with epoll"), 1) << server_->Stderr();
+      std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                             "/children");
+      pid_t program = 0;
+      ASSERT_TRUE(children >> program);
+      ASSERT_EQ(kill(program, SIGKILL), 0);
+      ASSERT_TRUE(server_->WaitForStderr("the relay keeps the connection: restarting it", 1, kTestDeadline))
+          << server_->Stderr();
+    }
+    auto read_again = WithDeadline([&] { return pread(held.get(), buf, sizeof(buf), 0); });
+    ASSERT_TRUE(read_again.has_value()) << "the read waits on\n" << server_->Stderr();
+    ASSERT_EQ(*read_again, static_cast<ssize_t>(want.size())) << strerror(errno) << server_->Stderr();
+    EXPECT_EQ(std::string(buf, want.size()), want);
+    EXPECT_EQ(ReadFile(file), want);
+    if (mode != kServe) EXPECT_EQ(server_->CountInStderr("(1 restart(s) so far)"), 1) << server_->Stderr();
+    held.Reset();
     ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     EXPECT_EQ(ServerExit(), 0) << server_->Stderr();

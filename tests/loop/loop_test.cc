@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <sys/resource.h>
 #include <sys/utsname.h>
 #include <poll.h>
@@ -16,6 +17,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/testing/loop_thread.h"
+#include "tests/testing/no_io_uring.h"
 
 namespace fusekeeper {
 namespace {
@@ -296,6 +298,128 @@ TEST(LoopTest, UsesSingleIssuerDeferTaskrunWhereTheKernelHasIt) {
   ASSERT_TRUE(loop.ok()) << loop.status();
   // 6.1+ kernels support it; the fallback path is for older ones.
   EXPECT_TRUE((*loop)->uses_defer_taskrun());
+}
+
+}  // namespace
+}  // namespace fusekeeper
+
+namespace fusekeeper {
+namespace {
+
+// A loop made where io_uring is refused (a thread under the runtimes' default seccomp filter);
+// nullptr if the filter could not be installed.
+std::unique_ptr<Loop> LoopWithoutRing(absl::Status* plain_create = nullptr) {
+  std::unique_ptr<Loop> out;
+  std::thread([&] {
+    if (!RefuseIoUring()) return;
+    if (plain_create != nullptr) *plain_create = Loop::Create().status();
+    auto l = Loop::Create({.epoll_without_ring = true});
+    if (l.ok()) out = std::move(*l);
+  }).join();
+  return out;
+}
+
+TEST(LoopWithoutRingTest, WhereIoUringIsRefusedCreateSaysWhyOrWaitsWithEpoll) {
+  absl::Status plain;
+  std::unique_ptr<Loop> loop = LoopWithoutRing(&plain);
+  ASSERT_NE(loop, nullptr) << "seccomp filter or epoll loop";
+  EXPECT_TRUE(absl::IsUnavailable(plain)) << plain;
+  EXPECT_NE(plain.message().find("seccomp"), std::string::npos) << plain;
+  EXPECT_NE(loop->without_ring_why().find("seccomp"), std::string::npos) << loop->without_ring_why();
+  std::unique_ptr<Loop> with_ring = std::move(*Loop::Create({.epoll_without_ring = true}));
+  EXPECT_EQ(with_ring->without_ring_why(), "") << "where the ring is allowed, it is used";
+}
+
+TEST(LoopWithoutRingTest, MultishotPollsAreEdgeTriggeredSingleShotsFireOnceAndCancelEnds) {
+  std::unique_ptr<Loop> loop = LoopWithoutRing();
+  ASSERT_NE(loop, nullptr);
+  LoopThread lt(std::move(loop));
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv), 0);
+  UniqueFd a(sv[0]), b(sv[1]);
+  // Two completions on one fd, as the relay's program socket has (in, and out when full).
+  Completion in, out;
+  std::atomic<int> messages{0}, wakeups{0}, outs{0};
+  std::promise<int32_t> in_end;
+  std::promise<void> got_two, got_three;
+  in.callback = [&](int32_t res, bool more) {
+    if (!more) {
+      in_end.set_value(res);
+      return;
+    }
+    ++wakeups;
+    char buf[16];
+    while (recv(a.get(), buf, sizeof(buf), MSG_DONTWAIT) > 0) {
+      const int n = ++messages;
+      if (n == 2) got_two.set_value();
+      if (n == 3) got_three.set_value();
+    }
+  };
+  out.callback = [&](int32_t res, bool more) {
+    EXPECT_FALSE(more);
+    EXPECT_TRUE(res & POLLOUT) << res;
+    ++outs;
+  };
+  lt.RunOnLoop([&] {
+    lt.loop().PollAdd(&in, a.get(), POLLIN, /*multishot=*/true);
+    lt.loop().PollAdd(&out, a.get(), POLLOUT, /*multishot=*/false);
+  });
+  ASSERT_EQ(send(b.get(), "1", 1, 0), 1);
+  ASSERT_EQ(send(b.get(), "2", 1, 0), 1);
+  ASSERT_EQ(got_two.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_EQ(send(b.get(), "3", 1, 0), 1);
+  ASSERT_EQ(got_three.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  lt.RunOnLoop([&] {
+    EXPECT_EQ(outs.load(), 1) << "a single-shot poll fires once";
+    EXPECT_EQ(lt.loop().in_flight(), 1u);
+    lt.loop().Cancel(&in);
+  });
+  auto end = in_end.get_future();
+  ASSERT_EQ(end.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_EQ(end.get(), -ECANCELED);
+  EXPECT_GE(wakeups.load(), 2);
+  EXPECT_LE(wakeups.load(), 3) << "drained, a multishot poll fires again only on news";
+  lt.RunOnLoop([&] { EXPECT_EQ(lt.loop().in_flight(), 0u); });
+}
+
+TEST(LoopWithoutRingTest, TimersPostsAndStopWithPollsInFlight) {
+  std::unique_ptr<Loop> loop = LoopWithoutRing();
+  ASSERT_NE(loop, nullptr);
+  Loop* l = loop.get();
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  UniqueFd r(p[0]), w(p[1]);
+  std::vector<Completion> polls(20);
+  std::atomic<int> cancelled{0};
+  Completion rearming;  // arms itself again whatever it is told, as the relay's kernel poll
+  std::atomic<int> rearming_endings{0};
+  rearming.callback = [&](int32_t, bool more) {
+    if (more) return;
+    ++rearming_endings;
+    l->PollAdd(&rearming, r.get(), POLLIN, /*multishot=*/true);
+  };
+  std::promise<void> timer_ran;
+  LoopThread lt(std::move(loop));
+  lt.RunOnLoop([&] {
+    for (auto& c : polls) {
+      c.callback = [&](int32_t res, bool more) {
+        if (!more && res == -ECANCELED) ++cancelled;
+      };
+      l->PollAdd(&c, r.get(), POLLIN, /*multishot=*/true);
+    }
+    l->PollAdd(&rearming, r.get(), POLLIN, /*multishot=*/true);
+    l->AddTimer(std::chrono::milliseconds(1), [&] { timer_ran.set_value(); });
+    l->AddTimer(std::chrono::hours(1), [] { ADD_FAILURE() << "a timer dropped at stop ran"; });
+  });
+  ASSERT_EQ(timer_ran.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  std::promise<void> posted;
+  std::thread([&] { ASSERT_TRUE(l->Post([&] { posted.set_value(); })); }).join();
+  ASSERT_EQ(posted.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  lt.StopAndJoin();
+  EXPECT_EQ(cancelled.load(), 20);
+  EXPECT_LE(rearming_endings.load(), 2);
+  EXPECT_EQ(l->in_flight(), 0u);
+  EXPECT_FALSE(l->Post([] {}));
 }
 
 }  // namespace

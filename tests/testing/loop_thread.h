@@ -23,6 +23,10 @@ class LoopThread {
     loop_ = std::move(*loop);
     thread_ = std::thread([this] { loop_->Run(); });
   }
+  explicit LoopThread(std::unique_ptr<Loop> loop) : loop_(std::move(loop)) {
+    CHECK(loop_ != nullptr);
+    thread_ = std::thread([this] { loop_->Run(); });
+  }
   ~LoopThread() { StopAndJoin(); }
 
   Loop& loop() { return *loop_; }

@@ -25,6 +25,7 @@
 #include "tests/testing/csi_client.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/mount_fixture.h"
+#include "tests/testing/no_io_uring.h"
 #include "tests/testing/fake_kube.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/with_deadline.h"
@@ -129,10 +130,12 @@ class FuseE2ETest : public ::testing::Test {
     if (mode.empty()) mode = {"serve", "--root=" + export_};
     std::vector<std::string> cmd = {fkserve_, "--socket=" + socket};
     cmd.insert(cmd.end(), mode.begin(), mode.end());
-    servers_.push_back(std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [] {
+    const bool no_ring = servers_refuse_io_uring_;
+    servers_.push_back(std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [no_ring] {
       if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) {
         _exit(99);
       }
+      if (no_ring && !RefuseIoUring()) _exit(98);
     }));
     return servers_.back().get();
   }
@@ -278,6 +281,12 @@ class FuseE2ETest : public ::testing::Test {
   std::vector<std::string> agent_env_;  // extra environment for the agent
   std::vector<std::string> agent_prefix_;  // a command the agent is run under (e.g. unshare)
   std::vector<std::unique_ptr<Subprocess>> servers_;
+  // Servers run under a seccomp filter that refuses io_uring, as under containerd 2.0's, Docker
+  // 25's or CRI-O's default profile (FUSEKEEPER_NO_IO_URING=1 runs a whole suite that way).
+  bool servers_refuse_io_uring_ = [] {
+    const char* env = getenv(kNoIoUringEnv);
+    return env != nullptr && env[0] == '1';
+  }();
   int views_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Node::Stub> node_;

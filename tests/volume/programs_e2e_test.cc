@@ -304,6 +304,61 @@ TEST_P(RelayWorkloadTest, TheLauncherKilledAndStartedAgainCostsNoError) {
   ASSERT_TRUE(launcher->Wait(std::chrono::milliseconds(20000)).has_value()) << launcher->Stderr();
 }
 
+// Issue 28, item 3: where the container runtime's default seccomp profile refuses io_uring
+// (containerd 2.0+, Docker 25+, CRI-O), the launcher's relay waits with epoll. A program whose
+// core runs in it (bindfs) and one that takes the launcher's hop (gocryptfs, Go), under such a
+// filter: killed again and again, then their launcher killed and started again; no operation
+// fails and what was written reads back.
+class NoIoUringTest : public RelayWorkloadTest {};
+
+TEST_P(NoIoUringTest, KillsOfTheProgramAndOfTheLauncherCostNoError) {
+  const Program& prog = GetParam();
+  servers_refuse_io_uring_ = true;
+  std::vector<std::string> launch = {"--restart_window_ms=0"};
+  const std::string skip = PrepareWorkload(prog, &launch);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  if (HasFatalFailure()) return;
+  StartWorkload(prog, launch, "pod-n");
+  if (HasFatalFailure()) return;
+  Subprocess* launcher = launcher_;
+  PodWorkload& app = *app_;
+  EXPECT_EQ(launcher->CountInStderr("waiting with epoll"), 1) << launcher->Stderr();
+  constexpr int kKills = 5;
+  for (int i = 1; i <= kKills; ++i) {
+    ASSERT_TRUE(KillProgramAndWaitForRestart(launcher, i)) << prog.name << " kill " << i << ": " << launcher->Stderr();
+    ASSERT_TRUE(app.WaitForSteps(2)) << prog.name << " kill " << i << ": " << absl::StrJoin(app.errors(), "; ")
+                                     << "\n" << launcher->Stderr();
+  }
+  EXPECT_EQ(launcher->CountInStderr(kInProgramLine), CoreRunsInProgram(prog.name) ? kKills + 1 : 0)
+      << launcher->Stderr();
+  Subprocess* next = KillLauncherAndStartAnother(launcher, PodSocket("pod-n"), launch);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->CountInStderr("waiting with epoll"), 1) << next->Stderr();
+  ASSERT_TRUE(app.WaitForSteps(3)) << prog.name << ": " << absl::StrJoin(app.errors(), "; ") << "\n" << next->Stderr();
+  EXPECT_TRUE(app.Finish()) << prog.name << ": " << absl::StrJoin(app.errors(), "; ");
+  EXPECT_EQ(app.errors().size(), 0u) << prog.name << ": " << absl::StrJoin(app.errors(), "; ");
+  EXPECT_EQ(launcher->CountInStderr(") failed with ") + next->CountInStderr(") failed with "), 0)
+      << launcher->Stderr() << next->Stderr();
+  std::cout << "RESULT no io_uring " << prog.name << ": " << kKills << " program kill -9 and a launcher kill -9, "
+            << app.steps() << " steps, " << app.errors().size() << " errors\n";
+  {
+    grpc::Status s = Unpublish("prog", target_);
+    ASSERT_TRUE(s.ok()) << s.error_code() << " " << s.error_message() << "\n" << agent_->Stderr();
+  }
+  EXPECT_EQ(MountCountAt(target_), 0);
+  ASSERT_TRUE(next->Wait(std::chrono::milliseconds(20000)).has_value()) << next->Stderr();
+}
+
+std::vector<Program> NoIoUringPrograms() {
+  std::vector<Program> out;
+  for (const Program& p : kPrograms) {
+    if (std::string(p.name) == "bindfs-foreground" || std::string(p.name) == "gocryptfs") out.push_back(p);
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Programs, NoIoUringTest, ::testing::ValuesIn(NoIoUringPrograms()), ProgramName);
+
 std::vector<Program> WorkloadPrograms() {
   std::vector<Program> out;
   for (const Program& p : kPrograms) {

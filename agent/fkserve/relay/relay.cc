@@ -448,8 +448,13 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   }
   r->max_message_ = std::min<size_t>(static_cast<size_t>(sndbuf) - 32 - 512, kLargestUsefulMessage);
 
-  auto loop = Loop::Create();
+  // Where the container runtime's seccomp profile refuses io_uring, the relay waits with epoll:
+  // it only polls, and reads and writes by itself.
+  auto loop = Loop::Create({.epoll_without_ring = true});
   if (!loop.ok()) return loop.status();
+  if (const std::string& why = (*loop)->without_ring_why(); !why.empty() && callbacks.log) {
+    callbacks.log(absl::StrCat("relay: no io_uring here (", why, "): waiting with epoll"));
+  }
   auto st = std::make_unique<LoopState>();
   st->loop = std::move(*loop);
   st->kernel = UniqueFd(fcntl(kernel_fd, F_DUPFD_CLOEXEC, 3));
