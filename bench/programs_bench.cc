@@ -1,21 +1,29 @@
-// Real FUSE programs under `fkserve launch`, side by side in one run, three ways each:
+// Real FUSE programs under `fkserve launch`, side by side in one run, four ways each:
 //   direct      --direct: the program holds the kernel's connection, no relay (no restarts)
 //   in-program  the default: the relay's core runs inside the program (relay/in_program.h)
 //   hop         --in_program=false: the relay in the launcher, the program on a socket
+//   hop-epoll   the hop where seccomp refuses io_uring (the runtimes' default profiles): the
+//               launcher's loop waits with epoll instead of on its ring
 // (gocryptfs, a Go program, makes its own system calls: its default way is the hop too.)
-// Each program serves three mounts of one backing store at once (one per way), each mounted by
-// a HandoffEndpoint as the agent mounts volumes, with fkserve as a child process. The measures
-// run interleaved (way by way, slice by slice, several rounds) and each way's median is given
-// as a ratio to direct:
+// Each program serves four mounts of one backing store at once (one per way), each mounted by
+// a HandoffEndpoint as the agent mounts volumes, with fkserve as a child process. sshfs talks
+// to an sshd of its own, s3fs to s3rver (tests/testing/program_servers.h). The measures run
+// interleaved (way by way, slice by slice, several rounds) and each way's median is given as a
+// ratio to direct:
 //   read    64 MiB sequentially in 1 MiB reads, the file's page cache dropped first
 //   write   16 MiB in 1 MiB writes + fsync
 //   stat    statx(AT_STATX_FORCE_SYNC): a GETATTR each
 //   create  create + close + unlink
 //   rand4k  4 KiB preads at random offsets, each range's page cache dropped first
-// Counters per program: <measure>_inprog and <measure>_hop (ratios to direct), and <measure>_direct
-// (operations or MB per second). Programs not installed are skipped (scripts/setup-test-programs.sh
-// installs them). Needs root (a private mount namespace, /dev/fuse).
+// Counters per program: <measure>_inprog, <measure>_hop and <measure>_hopepoll (ratios to
+// direct), and <measure>_direct (operations or MB per second). Then, per relayed way, kill -9 of
+// the program 20 times, interleaved: restart_p50_ms_<way> and restart_p99_ms_<way>, from the
+// kill to the answer of a statx the reader issued at once (what a pod waits); and each
+// launcher's resident memory after all that, rss_kb_<way> (direct: the launcher only waits).
+// Programs not installed are skipped (scripts/setup.sh installs them). Needs root (a private
+// mount namespace, /dev/fuse).
 #include <fcntl.h>
+#include <signal.h>
 #include <sched.h>
 #include <sys/mount.h>
 #include <sys/fsuid.h>
@@ -35,6 +43,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fuse/fuse_mount.h"
@@ -42,6 +51,8 @@
 #include "agent/loop/loop.h"
 #include "benchmark/benchmark.h"
 #include "glog/logging.h"
+#include "tests/testing/no_io_uring.h"
+#include "tests/testing/program_servers.h"
 #include "tests/testing/subprocess.h"
 
 namespace fusekeeper {
@@ -60,30 +71,45 @@ constexpr uid_t kServerUid = 65534;
 struct Program {
   const char* name;
   const char* binary;
-  // $W: the work directory; $SRC: the backing directory (holds data.bin); {mountpoint}/{fd}: the
-  // launcher's.
+  // $W: the work directory; $W/src: the backing directory (holds data.bin); $PORT, $S3RVER: as in
+  // program_servers.h; {mountpoint}/{fd}: the launcher's.
   const char* setup;
   std::vector<std::string> args;
   bool writable;
+  // Its store starts empty (encrypted, or an S3 bucket): data.bin is written through the direct
+  // mount first.
+  bool fill_through_volume = false;
+  // Its own server, run as root for the program's length, and the line that says it listens.
+  const char* server = "";
+  const char* server_ready = "";
 };
 
 const Program kPrograms[] = {
-    {"bindfs", "/usr/bin/bindfs", "", {"bindfs", "-f", "$SRC", "{mountpoint}"}, true},
+    {"bindfs", "/usr/bin/bindfs", "", {"bindfs", "-f", "$W/src", "{mountpoint}"}, true},
     {"fuse-overlayfs", "/usr/bin/fuse-overlayfs", "mkdir -p $W/upper $W/work",
-     {"fuse-overlayfs", "-f", "-o", "lowerdir=$SRC,upperdir=$W/upper,workdir=$W/work", "{mountpoint}"}, true},
+     {"fuse-overlayfs", "-f", "-o", "lowerdir=$W/src,upperdir=$W/upper,workdir=$W/work", "{mountpoint}"}, true},
     {"fuse-overlayfs-fd", "/usr/bin/fuse-overlayfs", "mkdir -p $W/upper $W/work",
-     {"fuse-overlayfs", "-f", "-o", "lowerdir=$SRC,upperdir=$W/upper,workdir=$W/work", "/dev/fd/{fd}"}, true},
-    {"squashfuse_ll", "/usr/bin/squashfuse_ll", "mksquashfs $SRC $W/img.sqfs -quiet -noappend >/dev/null",
+     {"fuse-overlayfs", "-f", "-o", "lowerdir=$W/src,upperdir=$W/upper,workdir=$W/work", "/dev/fd/{fd}"}, true},
+    {"squashfuse_ll", "/usr/bin/squashfuse_ll", "mksquashfs $W/src $W/img.sqfs -quiet -noappend >/dev/null",
      {"squashfuse_ll", "-f", "$W/img.sqfs", "/dev/fd/{fd}"}, false},
     {"unionfs-fuse", "/usr/bin/unionfs-fuse", "",
-     {"unionfs-fuse", "-f", "-o", "cow", "$SRC=RW", "{mountpoint}"}, true},
+     {"unionfs-fuse", "-f", "-o", "cow", "$W/src=RW", "{mountpoint}"}, true},
+    {"sshfs", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS, "-f"}, true, false, kSshd, kSshdReady},
+    {"s3fs", "/usr/bin/s3fs", kS3fsSetup, {"s3fs", "-f", "demo", "{mountpoint}", "-o", kS3fsOptions}, true, true,
+     kS3rverServer, kS3rverReady},
     {"gocryptfs", "/usr/bin/gocryptfs",
      "mkdir -p $W/cipher && echo pw > $W/pass && gocryptfs -q -init -passfile $W/pass $W/cipher",
-     {"gocryptfs", "-fg", "-q", "-passfile", "$W/pass", "$W/cipher", "/dev/fd/{fd}"}, true},
+     {"gocryptfs", "-fg", "-q", "-passfile", "$W/pass", "$W/cipher", "/dev/fd/{fd}"}, true, true},
 };
 
-enum Way { kDirect = 0, kInProgram = 1, kHop = 2 };
-const char* WayName(int w) { return w == kDirect ? "direct" : w == kInProgram ? "in-program" : "hop"; }
+enum Way { kDirect = 0, kInProgram = 1, kHop = 2, kHopEpoll = 3 };
+constexpr int kWays[] = {kDirect, kInProgram, kHop, kHopEpoll};
+const char* WayName(int w) {
+  return w == kDirect ? "direct" : w == kInProgram ? "in-program" : w == kHop ? "hop" : "hop-epoll";
+}
+const char* WayCounter(int w) {
+  return w == kDirect ? "direct" : w == kInProgram ? "inprog" : w == kHop ? "hop" : "hopepoll";
+}
 
 // A Loop on a thread of its own (the agent's side of the mounts).
 class LoopThread {
@@ -136,7 +162,7 @@ class Bench {
   }
 
   // Mounts one way of `p` on a fresh directory and starts its launcher. Empty: serving.
-  std::string Start(const Program& p, int way, const std::string& w, const std::string& src) {
+  std::string Start(const Program& p, int way, const std::string& w, const std::string& port) {
     Served s;
     s.mnt = absl::StrCat(root_, "/mnt-", WayName(way));
     s.sockdir = absl::StrCat(root_, "/sock-", WayName(way));
@@ -168,13 +194,17 @@ class Bench {
       fs::copy_file(RunfilePath(std::string("agent/fkserve/") + f), root_ + "/" + f, fs::copy_options::skip_existing);
       chmod((root_ + "/" + f).c_str(), 0755);
     }
-    std::vector<std::string> cmd = {root_ + "/fkserve", "--socket=" + s.sockdir + "/s", "--work_dir=" + root_};
+    // Restarted at once however young it dies (the restart measure kills it 20 times).
+    std::vector<std::string> cmd = {root_ + "/fkserve", "--socket=" + s.sockdir + "/s", "--work_dir=" + root_,
+                                    "--restart_window_ms=0"};
     if (way == kDirect) cmd.push_back("--direct");
-    if (way == kHop) cmd.push_back("--in_program=false");
+    if (way == kHop || way == kHopEpoll) cmd.push_back("--in_program=false");
     cmd.insert(cmd.end(), {"launch", "--"});
-    for (const std::string& a : p.args) cmd.push_back(absl::StrReplaceAll(a, {{"$W", w}, {"$SRC", src}}));
-    s.server = std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [] {
+    for (const std::string& a : p.args) cmd.push_back(Expand(a, w, port));
+    const bool no_ring = way == kHopEpoll;
+    s.server = std::make_unique<Subprocess>(cmd, std::vector<std::string>{}, [no_ring] {
       if (setresgid(kServerUid, kServerUid, kServerUid) != 0 || setresuid(kServerUid, kServerUid, kServerUid) != 0) _exit(99);
+      if (no_ring && !RefuseIoUring()) _exit(98);
     });
     if (served->get_future().wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
       return absl::StrCat(p.name, " ", WayName(way), " never served: ", s.server->Stderr());
@@ -198,10 +228,18 @@ class Bench {
     if (way == kInProgram && !go && s.server->CountInStderr("reads the kernel's connection itself") == 0) {
       return absl::StrCat(p.name, ": the relay's core did not enter it: ", s.server->Stderr());
     }
+    if (way == kHopEpoll && s.server->CountInStderr("waiting with epoll") == 0) {
+      return absl::StrCat(p.name, ": the hop did not wait with epoll: ", s.server->Stderr());
+    }
     served_.push_back(std::move(s));
     return "";
   }
   const std::string& mnt(int way) const { return served_[way].mnt; }
+  pid_t launcher(int way) const { return served_[way].server->pid(); }
+
+  static std::string Expand(const std::string& text, const std::string& w, const std::string& port) {
+    return absl::StrReplaceAll(text, {{"$W", w}, {"$PORT", port}, {"$S3RVER", kS3rver}});
+  }
 
  private:
   std::string root_;
@@ -299,9 +337,51 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// The launcher's children: the program (or what it daemonized into).
+std::vector<pid_t> ProgramProcesses(pid_t launcher) {
+  std::vector<pid_t> out;
+  for (const auto& t : fs::directory_iterator(absl::StrCat("/proc/", launcher, "/task"))) {
+    std::ifstream in(t.path().string() + "/children");
+    for (pid_t p; in >> p;) out.push_back(p);
+  }
+  return out;
+}
+
+// kill -9 of the program `launcher` runs, then a statx at once: the time until it is answered
+// (by the next instance), in ms.
+double KillAndTimeFirstAnswer(pid_t launcher, const std::string& mnt) {
+  const std::vector<pid_t> procs = ProgramProcesses(launcher);
+  CHECK(!procs.empty()) << "no program under launcher " << launcher;
+  const std::string path = mnt + "/data.bin";
+  const auto t = Clock::now();
+  for (pid_t p : procs) kill(p, SIGKILL);
+  struct statx stx;
+  CHECK_EQ(statx(AT_FDCWD, path.c_str(), AT_STATX_FORCE_SYNC, STATX_BASIC_STATS, &stx), 0) << strerror(errno);
+  return Since(t) * 1000;
+}
+
+double Percentile(std::vector<double> v, int pct) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[std::min(v.size() - 1, v.size() * pct / 100)];
+}
+
+long RssKb(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::atol(line.c_str() + 6);
+  }
+  return -1;
+}
+
+constexpr int kRestarts = 20;
+
 void BM_Program(benchmark::State& state, const Program* p) {
   if (access(p->binary, X_OK) != 0) {
     state.SkipWithError(absl::StrCat(p->binary, " is not installed").c_str());
+    return;
+  }
+  if (absl::StrContains(p->server, "$S3RVER") && access(kS3rver, X_OK) != 0) {
+    state.SkipWithError(absl::StrCat(kS3rver, " is not installed").c_str());
     return;
   }
   for (auto _ : state) {
@@ -309,10 +389,10 @@ void BM_Program(benchmark::State& state, const Program* p) {
     CHECK(mkdtemp(templ) != nullptr);
     const std::string root = templ;
     CHECK_EQ(mount("tmpfs", root.c_str(), "tmpfs", 0, "size=1g"), 0);
-    const std::string src = root + "/src", w = root + "/w";
+    const std::string w = root + "/w", src = w + "/src";
+    const std::string port = std::to_string(20000 + getpid() % 20000);
     fs::create_directories(src);
-    fs::create_directories(w);
-    {
+    if (!p->fill_through_volume) {
       std::ofstream out(src + "/data.bin", std::ios::binary);
       std::mt19937_64 rng(1);
       std::vector<uint64_t> block(kChunk / 8);
@@ -323,20 +403,30 @@ void BM_Program(benchmark::State& state, const Program* p) {
     }
     chmod(root.c_str(), 0755);
     std::string err;
-    if (p->setup[0] != '\0' &&
-        !Shell(absl::StrReplaceAll(std::string(p->setup), {{"$W", w}, {"$SRC", src}}))) {
-      err = absl::StrCat(p->name, ": setup failed");
+    if (p->setup[0] != '\0' && !Shell(Bench::Expand(p->setup, w, port))) err = absl::StrCat(p->name, ": setup failed");
+    if (err.empty() && !Shell(absl::StrCat("chown -R ", kServerUid, ":", kServerUid, " ", w))) err = "chown";
+    std::unique_ptr<Subprocess> server;
+    if (err.empty() && p->server[0] != '\0') {
+      server = std::make_unique<Subprocess>(std::vector<std::string>{"/bin/sh", "-c", Bench::Expand(p->server, w, port)});
+      if (!server->WaitForStderr(p->server_ready, 1, std::chrono::milliseconds(20000))) {
+        err = absl::StrCat(p->name, ": its server did not start: ", server->Stderr());
+      }
     }
-    if (err.empty() && !Shell(absl::StrCat("chown -R ", kServerUid, ":", kServerUid, " ", src, " ", w))) err = "chown";
-    // gocryptfs keeps its files encrypted: data.bin is written through its direct mount first.
-    std::map<std::string, std::vector<double>> rate[3];
+    std::map<std::string, std::vector<double>> rate[4];
+    std::vector<double> restart_ms[4];
+    long rss_kb[4] = {0, 0, 0, 0};
     {
       Bench b(root);
-      for (int way : {kDirect, kInProgram, kHop}) {
-        if (err.empty()) err = b.Start(*p, way, w, src);
+      for (int way : kWays) {
+        if (err.empty()) err = b.Start(*p, way, w, port);
         if (!err.empty()) break;
-        if (way == kDirect && std::string(p->name) == "gocryptfs") {
-          CHECK(Shell(absl::StrCat("cp ", src, "/data.bin ", b.mnt(kDirect), "/data.bin")));
+        if (way == kDirect && p->fill_through_volume) {
+          // Written as the server's user, as a pod of it would.
+          const std::string cmd = absl::StrCat("head -c ", kReadBytes, " /dev/urandom > ", b.mnt(kDirect), "/data.bin");
+          if (!Shell(absl::StrCat("setpriv --reuid=", kServerUid, " --regid=", kServerUid, " --clear-groups sh -c '",
+                                  cmd, "'"))) {
+            err = "writing data.bin through the volume";
+          }
         }
       }
       struct stat st;
@@ -349,16 +439,23 @@ void BM_Program(benchmark::State& state, const Program* p) {
         for (int round = 0; round < kRounds; ++round) {
           for (const Named& m : kMeasures) {
             if (m.writes && !p->writable) continue;
-            for (int way : {kDirect, kInProgram, kHop}) {
+            for (int way : kWays) {
               const auto [work, secs] = m.fn(b.mnt(way), absl::StrCat(WayName(way), round));
               rate[way][m.name].push_back(work / secs);
             }
           }
         }
+        for (int i = 0; i < kRestarts; ++i) {
+          for (int way : {kInProgram, kHop, kHopEpoll}) {
+            restart_ms[way].push_back(KillAndTimeFirstAnswer(b.launcher(way), b.mnt(way)));
+          }
+        }
         setfsuid(0);
         setfsgid(0);
+        for (int way : kWays) rss_kb[way] = RssKb(b.launcher(way));
       }
     }
+    server.reset();
     umount2(root.c_str(), MNT_DETACH);
     rmdir(root.c_str());
     if (!err.empty()) {
@@ -369,9 +466,15 @@ void BM_Program(benchmark::State& state, const Program* p) {
       if (m.writes && !p->writable) continue;
       const double direct = Median(rate[kDirect][m.name]);
       state.counters[absl::StrCat(m.name, "_direct")] = direct;
-      state.counters[absl::StrCat(m.name, "_inprog")] = Median(rate[kInProgram][m.name]) / direct;
-      state.counters[absl::StrCat(m.name, "_hop")] = Median(rate[kHop][m.name]) / direct;
+      for (int way : {kInProgram, kHop, kHopEpoll}) {
+        state.counters[absl::StrCat(m.name, "_", WayCounter(way))] = Median(rate[way][m.name]) / direct;
+      }
     }
+    for (int way : {kInProgram, kHop, kHopEpoll}) {
+      state.counters[absl::StrCat("restart_p50_ms_", WayCounter(way))] = Percentile(restart_ms[way], 50);
+      state.counters[absl::StrCat("restart_p99_ms_", WayCounter(way))] = Percentile(restart_ms[way], 99);
+    }
+    for (int way : kWays) state.counters[absl::StrCat("rss_kb_", WayCounter(way))] = static_cast<double>(rss_kb[way]);
   }
 }
 

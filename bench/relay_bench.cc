@@ -16,6 +16,8 @@
 //                                    measure from the new instance's start to its first answer
 //                                    (p50/p99 counters)
 //   BM_NodeTableBytesPer100kNodes    heap the relay's node table holds for 100k nodes
+//   BM_JournalBytesPer100kNodes      the relay state's memfd bytes for the same nodes, and the
+//                                    cost of a node's record
 //
 // Needs root (a private mount namespace, /dev/fuse). Compare the pairs as ratios.
 #include <fcntl.h>
@@ -45,6 +47,7 @@
 #include "agent/fkserve/passthrough.h"
 #include "agent/fkserve/relay/node_table.h"
 #include "agent/fkserve/relay/relay.h"
+#include "agent/fkserve/relay/relay_state.h"
 #include "agent/fuse/fuse_mount.h"
 #include "benchmark/benchmark.h"
 #include "glog/logging.h"
@@ -388,6 +391,32 @@ void BM_NodeTableBytesPer100kNodes(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_NodeTableBytesPer100kNodes)->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// The journal's side of the same 100k nodes (relay_state.h): what the launcher's memfd holds,
+// and what a record costs the relay (a node's record is written before the kernel learns it).
+void BM_JournalBytesPer100kNodes(benchmark::State& state) {
+  for (auto _ : state) {
+    auto j = relay::StateJournal::Create();
+    CHECK(j.ok()) << j.status();
+    const auto t = std::chrono::steady_clock::now();
+    uint64_t kid = 2;
+    for (uint64_t d = 0; d < 100; ++d) {
+      const uint64_t dir = 1000000 + d;
+      (*j)->Node(dir, {.parent = relay::kRootId, .name = absl::StrCat("directory-", d), .kernel_lookups = 1});
+      for (uint64_t f = 0; f < 1000; ++f) {
+        (*j)->Node(kid++, {.parent = dir, .name = absl::StrCat("file-name-", f, ".dat"), .kernel_lookups = 1});
+      }
+      CHECK((*j)->Flush());
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+    struct stat st;
+    CHECK_EQ(fstat((*j)->fd(), &st), 0);
+    state.counters["log_bytes_per_100k_nodes"] = static_cast<double>((*j)->log_bytes());
+    state.counters["memfd_bytes_per_100k_nodes"] = static_cast<double>(st.st_blocks) * 512;
+    state.counters["ns_per_node_record"] = secs * 1e9 / 100100;
+  }
+}
+BENCHMARK(BM_JournalBytesPer100kNodes)->Iterations(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace fusekeeper

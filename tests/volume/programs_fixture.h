@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "tests/testing/program_servers.h"
 #include "tests/volume/fuse_fixture.h"
 
 namespace fusekeeper {
@@ -36,22 +37,6 @@ struct Program {
   const char* server = "";
   const char* server_ready = "";
 };
-
-// The S3 endpoint s3fs talks to: s3rver (npm), installed by scripts/setup.sh.
-inline constexpr char kS3rver[] = "/opt/fusekeeper-test-tools/node_modules/.bin/s3rver";
-
-// sshfs's server: an sshd of the test's own on 127.0.0.1:$PORT that lets uid 65534 (nobody) in
-// with a key, for SFTP only.
-inline constexpr char kSshdSetup[] =
-    "mkdir -p /run/sshd && ssh-keygen -q -t ed25519 -N '' -f $W/hostkey && ssh-keygen -q -t ed25519 -N '' -f $W/userkey"
-    " && cp $W/userkey.pub $W/authorized_keys && printf '%s\\n' 'ListenAddress 127.0.0.1' 'Port $PORT'"
-    " 'HostKey $W/hostkey' 'AuthorizedKeysFile $W/authorized_keys' 'UsePAM no'"
-    " 'StrictModes no' 'PasswordAuthentication no' 'AllowUsers nobody' 'Subsystem sftp internal-sftp'"
-    " 'ForceCommand internal-sftp' > $W/sshd_config";
-inline constexpr char kSshd[] = "exec /usr/sbin/sshd -D -e -f $W/sshd_config";
-#define SSHFS_ARGS                                                                                                 \
-  "sshfs", "-o", "IdentityFile=$W/userkey,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$PORT", \
-      "nobody@127.0.0.1:$W/src", "{mountpoint}"
 
 // FUSEKEEPER_RELAY_HOP=1: the relay stays in the launcher for every program (fkserve launch
 // --in_program=false), so that every relayed test runs in the other mode too.
@@ -119,18 +104,12 @@ inline const Program kPrograms[] = {
      {"rclone", "--config", "/dev/null", "--cache-dir", "$W/cache", "--vfs-cache-mode", "writes", "mount2", "$W/src",
       "/dev/fd/{fd}"},
      true},
-    {"sshfs", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS}, true, false, "", "", kSshd, "Server listening on"},
-    {"sshfs-foreground", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS, "-f"}, true, false, "", "", kSshd,
-     "Server listening on"},
-    {"s3fs", "/usr/bin/s3fs", "echo S3RVER:S3RVER > $W/passwd && chmod 600 $W/passwd && mkdir $W/s3data",
-     {"s3fs", "demo", "{mountpoint}", "-o", "url=http://127.0.0.1:$PORT,use_path_request_style,passwd_file=$W/passwd"},
-     true, true, "", "", "exec $S3RVER -d $W/s3data -a 127.0.0.1 -p $PORT --configure-bucket demo 1>&2",
-     "S3rver listening"},
-    {"s3fs-foreground", "/usr/bin/s3fs", "echo S3RVER:S3RVER > $W/passwd && chmod 600 $W/passwd && mkdir $W/s3data",
-     {"s3fs", "-f", "demo", "{mountpoint}", "-o",
-      "url=http://127.0.0.1:$PORT,use_path_request_style,passwd_file=$W/passwd"},
-     true, true, "", "", "exec $S3RVER -d $W/s3data -a 127.0.0.1 -p $PORT --configure-bucket demo 1>&2",
-     "S3rver listening"},
+    {"sshfs", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS}, true, false, "", "", kSshd, kSshdReady},
+    {"sshfs-foreground", "/usr/bin/sshfs", kSshdSetup, {SSHFS_ARGS, "-f"}, true, false, "", "", kSshd, kSshdReady},
+    {"s3fs", "/usr/bin/s3fs", kS3fsSetup, {"s3fs", "demo", "{mountpoint}", "-o", kS3fsOptions}, true, true, "", "",
+     kS3rverServer, kS3rverReady},
+    {"s3fs-foreground", "/usr/bin/s3fs", kS3fsSetup, {"s3fs", "-f", "demo", "{mountpoint}", "-o", kS3fsOptions}, true,
+     true, "", "", kS3rverServer, kS3rverReady},
     {"encfs", "/usr/bin/encfs", "mkdir $W/raw && echo secret > $W/pw",
      {"encfs", "-f", "--standard", "--extpass=cat $W/pw", "$W/raw", "{mountpoint}"}, true, true},
     {"ntfs-3g", "/usr/bin/ntfs-3g",
