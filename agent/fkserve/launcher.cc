@@ -451,12 +451,16 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
     SendWithFd(conn, "pulse", pulse.get());
     fprintf(stderr, "fkserve: %s reads the kernel's connection itself, the relay's core in it\n", name.c_str());
     ip.readers.emplace_back([&, report = UniqueFd(fcntl(conn, F_DUPFD_CLOEXEC, 3)), started = ip.started] {
-      char buf[512];
+      char buf[4096];
       while (true) {
         const ssize_t n = recv(report.get(), buf, sizeof(buf) - 1, 0);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) return;  // the instance has ended
         buf[n] = '\0';
+        if (strncmp(buf, "log\n", 4) == 0) {
+          fprintf(stderr, "fkserve: (in the program) %s\n", buf + 4);
+          continue;
+        }
         unsigned long long resent = 0, resolved = 0, reopened = 0, failures = 0;
         if (sscanf(buf, "served\n%llu %llu %llu %llu", &resent, &resolved, &reopened, &failures) != 4) continue;
         {

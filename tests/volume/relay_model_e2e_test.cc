@@ -15,6 +15,7 @@
 #include <random>
 
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "agent/fkserve/relay/durability.h"
 #include "tests/volume/model_writer.h"
 #include "tests/volume/programs_fixture.h"
@@ -61,7 +62,11 @@ class RelayModelTest : public ProgramsE2ETest {
     // without ftruncate it is right. So its writer does not ftruncate (README, works-with table).
     if (std::string(prog.args[0]) == "s3fs") options.truncate = false;
     ModelWriter app(target, view_dir, kServerUid, seed, options);
-    auto say = [&] { return absl::StrCat(prog.name, ": ", absl::StrJoin(app.errors(), "; "), "\n", launcher->Stderr()); };
+    // What the launchers killed before said of failed requests, and all the current one said.
+    std::string dead_launchers;
+    auto say = [&] {
+      return absl::StrCat(prog.name, ": ", absl::StrJoin(app.errors(), "; "), "\n", dead_launchers, launcher->Stderr());
+    };
     ASSERT_TRUE(app.WaitForSteps(3)) << say();
     std::mt19937 rng(seed);
     int restarts = 0;  // of the current launcher's program
@@ -73,6 +78,9 @@ class RelayModelTest : public ProgramsE2ETest {
     for (int i = 1; i <= kills; ++i) {
       if (i % 7 == 0) {
         // The launcher and its program at once (a container restarted, an image upgraded).
+        for (absl::string_view line : absl::StrSplit(launcher->Stderr(), '\n')) {
+          if (absl::StrContains(line, "failed with")) absl::StrAppend(&dead_launchers, "(a killed launcher) ", line, "\n");
+        }
         launcher = KillLauncherAndStartAnother(launcher, PodSocket(pod), launch);
         ASSERT_NE(launcher, nullptr) << say();
         restarts = 1;  // its first instance is reported as a restart

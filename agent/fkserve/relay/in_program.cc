@@ -358,6 +358,12 @@ void InProgram::ToProgram(const iovec* iov, int iovcnt) {
 }
 
 void InProgram::Log(const std::string& line) {
+  // To the launcher, which says it on its own stderr: a program that daemonizes has put
+  // /dev/null on its own.
+  if (report_.valid()) {
+    const std::string text = absl::StrCat("log\n", line);
+    if (send(report_.get(), text.data(), text.size(), MSG_DONTWAIT | MSG_NOSIGNAL) >= 0) return;
+  }
   const std::string text = absl::StrCat("fkserve (in the program): ", line, "\n");
   (void)!RawWrite(STDERR_FILENO, text.data(), text.size());
 }
