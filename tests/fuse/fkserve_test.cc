@@ -228,6 +228,10 @@ TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
     const bool has_device = std::count(fds.begin(), fds.end(), "/dev/fuse") > 0;
     const bool says_in_program = server_->Stderr().find("reads the kernel's connection itself") != std::string::npos;
     EXPECT_EQ(has_device, mode != kHop) << "only through the launcher's hop does the program hold no device";
+    // Relayed, the preload library is in the program, even given /dev/fd/{fd}: on the hop it makes
+    // a spliced reply one socket message.
+    const std::string maps = ReadFile("/proc/" + std::to_string(program) + "/maps");
+    EXPECT_EQ(maps.find("libfkserve_preload.so") != std::string::npos, mode != kDirect) << name;
     EXPECT_EQ(says_in_program, mode == kInProgram) << server_->Stderr();
     ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
