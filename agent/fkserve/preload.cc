@@ -45,6 +45,7 @@
 #include <atomic>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -213,6 +214,10 @@ FK_EXPORT ssize_t splice(int fd_in, loff_t* off_in, int fd_out, loff_t* off_out,
   }
   const bool ours = Ours(fd_out);
   if (!ours && (off_out != nullptr || !IsSeqpacketSocket(fd_out))) return real(fd_in, off_in, fd_out, off_out, len, flags);
+  // A READ's reply into the kernel's connection, the core in the program: spliced on, not copied.
+  if (ours && off_in == nullptr) {
+    if (const std::optional<ssize_t> sent = in_program->SpliceReply(fd_in, len); sent.has_value()) return *sent;
+  }
   // One buffer per thread, kept (a fresh one per reply would fault its pages in every time).
   thread_local std::vector<char> reused;
   if (reused.size() < len) reused.resize(len);

@@ -17,6 +17,7 @@
 #include "agent/fuse/fuse_mount.h"
 #include "agent/fuse/handoff_endpoint.h"
 #include "gtest/gtest.h"
+#include "tests/testing/hello_fuse_server.h"
 #include "tests/testing/loop_thread.h"
 #include "tests/testing/with_deadline.h"
 #include "tests/testing/mount_fixture.h"
@@ -233,6 +234,61 @@ TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
     const std::string maps = ReadFile("/proc/" + std::to_string(program) + "/maps");
     EXPECT_EQ(maps.find("libfkserve_preload.so") != std::string::npos, mode != kDirect) << name;
     EXPECT_EQ(says_in_program, mode == kInProgram) << server_->Stderr();
+    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
+    endpoint_.reset();
+  }
+}
+
+// A program that splices its READ replies (libfuse's FUSE_CAP_SPLICE_WRITE, as fuse-overlayfs):
+// relayed in the program (where the library splices them on to the kernel), on the hop, and
+// direct, a file of 4 MiB reads back byte for byte, and on again after the program is killed
+// under a reader holding it open.
+TEST_F(FkserveTest, SplicedReadRepliesArriveWholeInEveryMode) {
+  constexpr size_t kBytes = 4 << 20;
+  const std::string want = SplicedContent(kBytes);
+  enum Mode { kInProgram, kHop, kDirect };
+  for (const Mode mode : {kInProgram, kHop, kDirect}) {
+    const char* name = mode == kInProgram ? "in-program" : mode == kHop ? "hop" : "direct";
+    SCOPED_TRACE(name);
+    served_ = std::promise<void>();
+    gone_ = std::promise<absl::Status>();
+    MountAndOffer({.volume_id = std::string("v-splice-") + name});
+    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}",
+                                     std::string(kSpliceContent) + std::to_string(kBytes)};
+    if (mode == kDirect) args.insert(args.begin(), "--direct");
+    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
+    StartServer(args);
+    ASSERT_TRUE(WaitServed()) << server_->Stderr();
+    const std::string file = mnt_ + "/hello";
+    UniqueFd held(open(file.c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(held.valid()) << strerror(errno) << server_->Stderr();
+    auto read_all = [&] {
+      posix_fadvise(held.get(), 0, 0, POSIX_FADV_DONTNEED);
+      std::string got(kBytes, '\0');
+      size_t done = 0;
+      while (done < kBytes) {
+        const ssize_t n = pread(held.get(), got.data() + done, kBytes - done, static_cast<off_t>(done));
+        if (n <= 0) break;
+        done += static_cast<size_t>(n);
+      }
+      got.resize(done);
+      return got;
+    };
+    EXPECT_TRUE(read_all() == want) << "the file read back differs" << server_->Stderr();
+    if (mode != kDirect) {
+      std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
+                             "/children");
+      pid_t program = 0;
+      ASSERT_TRUE(children >> program);
+      ASSERT_EQ(kill(program, SIGKILL), 0);
+      auto again = WithDeadline([&] { return read_all() == want; });
+      ASSERT_TRUE(again.has_value()) << "the read waits on\n" << server_->Stderr();
+      EXPECT_TRUE(*again) << "read after the kill differs" << server_->Stderr();
+    }
+    EXPECT_EQ(server_->CountInStderr("failed with"), 0) << server_->Stderr();
+    held.Reset();
     ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     EXPECT_EQ(ServerExit(), 0) << server_->Stderr();

@@ -10,15 +10,22 @@ struct fuse_session;
 
 namespace fusekeeper {
 
+// Content "splice:<bytes>": SplicedContent(bytes), served from a memfd with libfuse's splice of
+// READ replies (FUSE_CAP_SPLICE_WRITE), as fuse-overlayfs serves its files.
+inline constexpr char kSpliceContent[] = "splice:";
+std::string SplicedContent(size_t bytes);
+
 class HelloFuseServer {
  public:
   // Takes ownership of fuse_fd (libfuse closes it).
   HelloFuseServer(int fuse_fd, std::string content);
   ~HelloFuseServer();  // waits for the session loop: end the connection first
   const std::string& content() const { return content_; }
+  int content_fd() const { return content_fd_; }  // -1: replies from memory
 
  private:
   std::string content_;
+  int content_fd_ = -1;
   fuse_session* session_ = nullptr;
   std::thread thread_;
 };

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -27,6 +28,60 @@ namespace {
 // The preload library interposes read and write: the core's own I/O goes to the kernel directly.
 ssize_t RawRead(int fd, void* buf, size_t n) { return syscall(SYS_read, fd, buf, n); }
 ssize_t RawWrite(int fd, const void* buf, size_t n) { return syscall(SYS_write, fd, buf, n); }
+// And splice: the raw system calls, as the library interposes splice.
+ssize_t RawSplice(int in, int out, size_t len, unsigned flags) {
+  return syscall(SYS_splice, in, nullptr, out, nullptr, len, flags);
+}
+ssize_t RawTee(int in, int out, size_t len) { return syscall(SYS_tee, in, out, len, 0u); }
+
+// A pipe of the calling thread's, as large as the program's: a spliced reply is put together in
+// it (the core's header, then the program's data) and spliced on to the kernel in one message.
+struct ScratchPipe {
+  int r = -1, w = -1;
+  ~ScratchPipe() {
+    if (r >= 0) close(r);
+    if (w >= 0) close(w);
+  }
+  bool Open() {
+    if (r >= 0) return true;
+    int p[2];
+    // Non-blocking to write: should it be full after all, the reply fails rather than hangs.
+    if (pipe2(p, O_CLOEXEC) != 0) return false;
+    r = p[0];
+    w = p[1];
+    fcntl(w, F_SETFL, fcntl(w, F_GETFL) | O_NONBLOCK);
+    return true;
+  }
+  // Room for a reply of `len` bytes from the pipe `like` (as many buffers as it has, and one
+  // more for the header): false if the pipe cannot be made that large (fs.pipe-max-size).
+  bool Fits(int like, size_t len) {
+    const int like_size = fcntl(like, F_GETPIPE_SZ);
+    if (like_size <= 0) return false;
+    const int want = std::max(like_size + 4096, static_cast<int>(len) + 8192);
+    return fcntl(w, F_GETPIPE_SZ) >= want || fcntl(w, F_SETPIPE_SZ, want) >= want;
+  }
+  // Empties it (what a failed step left).
+  void Drain() {
+    char buf[4096];
+    const int fl = fcntl(r, F_GETFL);
+    fcntl(r, F_SETFL, fl | O_NONBLOCK);
+    while (RawRead(r, buf, sizeof(buf)) > 0) {
+    }
+    fcntl(r, F_SETFL, fl);
+  }
+};
+thread_local ScratchPipe scratch;
+
+// Reads and drops `len` bytes of `pipe` (a reply the core did not send on).
+void Discard(int pipe, size_t len) {
+  char buf[4096];
+  while (len > 0) {
+    const ssize_t n = RawRead(pipe, buf, std::min(len, sizeof(buf)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    len -= static_cast<size_t>(n);
+  }
+}
 
 // The calling thread is handing the core a notification of the program's own: it is written by
 // that thread, after the mutex is released (see the header).
@@ -287,6 +342,34 @@ void InProgram::AfterCore() {
   (void)!send(report_.get(), text.data(), text.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
+std::optional<ssize_t> InProgram::SpliceReply(int pipe, size_t len) {
+  if (len <= 4096 || !scratch.Open()) return std::nullopt;
+  // The header, seen without taking it from the program's pipe (tee copies buffer references).
+  fuse_out_header h;
+  if (RawTee(pipe, scratch.w, sizeof(h)) != static_cast<ssize_t>(sizeof(h))) {
+    scratch.Drain();
+    return std::nullopt;
+  }
+  if (RawRead(scratch.r, &h, sizeof(h)) != static_cast<ssize_t>(sizeof(h))) {
+    scratch.Drain();
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (h.len != len || h.error != 0 || !core_->HeaderOnlyReply(h.unique)) return std::nullopt;
+  header_ = h;
+  spliced_header_ = h;
+  header_pipe_ = pipe;
+  header_pipe_result_ = -2;  // not sent on (answered already, or the instance is going)
+  core_->FromProgram(reinterpret_cast<char*>(&header_), len);
+  header_pipe_ = -1;
+  AfterCore();
+  if (header_pipe_result_ == -2) {
+    Discard(pipe, len);
+    return static_cast<ssize_t>(len);
+  }
+  return header_pipe_result_;
+}
+
 void InProgram::ToKernel(const char* data, size_t len) {
   if (len >= sizeof(fuse_out_header) && reinterpret_cast<const fuse_out_header*>(data)->unique == 0) {
     if (own_notifications != nullptr) {
@@ -297,7 +380,56 @@ void InProgram::ToKernel(const char* data, size_t len) {
     return;
   }
   ssize_t n;
-  if (data == reinterpret_cast<const char*>(&header_) && header_iov_ != nullptr) {
+  if (data == reinterpret_cast<const char*>(&header_) && header_pipe_ >= 0 &&
+      memcmp(&header_, &spliced_header_, sizeof(header_)) == 0) {
+    // The header as the program wrote it: its pipe goes on to the kernel as it is.
+    do {
+      n = RawSplice(header_pipe_, kernel_.get(), len, SPLICE_F_MOVE);
+    } while (n < 0 && errno == EINTR);
+    header_pipe_result_ = n;
+    if (n < 0) Discard(header_pipe_, len);
+  } else if (data == reinterpret_cast<const char*>(&header_) && header_pipe_ >= 0 && !scratch.Fits(header_pipe_, len)) {
+    // Too large to be put together in a pipe of ours: copied out, the core's header first.
+    thread_local std::vector<char> copy;
+    copy.resize(len);
+    size_t got = 0;
+    while (got < len) {
+      const ssize_t m = RawRead(header_pipe_, copy.data() + got, len - got);
+      if (m < 0 && errno == EINTR) continue;
+      if (m <= 0) break;
+      got += static_cast<size_t>(m);
+    }
+    memcpy(copy.data(), &header_, sizeof(header_));
+    do {
+      n = RawWrite(kernel_.get(), copy.data(), got);
+    } while (n < 0 && errno == EINTR);
+    header_pipe_result_ = n;
+  } else if (data == reinterpret_cast<const char*>(&header_) && header_pipe_ >= 0) {
+    // The core's header, then the program's data moved from its pipe: one message, spliced.
+    Discard(header_pipe_, sizeof(fuse_out_header));
+    bool ok = RawWrite(scratch.w, &header_, sizeof(header_)) == static_cast<ssize_t>(sizeof(header_));
+    for (size_t moved = sizeof(header_); ok && moved < len;) {
+      const ssize_t m = RawSplice(header_pipe_, scratch.w, len - moved, SPLICE_F_MOVE);
+      if (m < 0 && errno == EINTR) continue;
+      ok = m > 0;
+      if (ok) moved += static_cast<size_t>(m);
+    }
+    if (!ok) {
+      // The scratch pipe could not take it: the kernel gets an error for this request.
+      scratch.Drain();
+      fuse_out_header e = header_;
+      e.len = sizeof(e);
+      e.error = -EIO;
+      n = RawWrite(kernel_.get(), &e, sizeof(e));
+      header_pipe_result_ = static_cast<ssize_t>(len);
+    } else {
+      do {
+        n = RawSplice(scratch.r, kernel_.get(), len, SPLICE_F_MOVE);
+      } while (n < 0 && errno == EINTR);
+      header_pipe_result_ = n;
+      if (n < 0) scratch.Drain();
+    }
+  } else if (data == reinterpret_cast<const char*>(&header_) && header_iov_ != nullptr) {
     // The header as the core left it, then the program's data after its own header.
     std::vector<iovec> out;
     out.reserve(header_iovcnt_ + 1);

@@ -36,6 +36,7 @@
 
 #include <deque>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <unordered_set>
@@ -70,6 +71,11 @@ class InProgram final : public RelayOutput {
   ssize_t Read(void* buf, size_t count);
   // The program's write of one message. Returns its length (as the device does).
   ssize_t Write(const iovec* iov, int iovcnt);
+  // The program's splice of one message from `pipe` (libfuse's READ replies with
+  // FUSE_CAP_SPLICE_WRITE). A READ's reply the core needs only the header of goes on to the
+  // kernel by splice too (its data never copied here): the result, as the device's splice.
+  // nullopt: not such a reply, the pipe untouched (the caller copies it out and Writes it).
+  std::optional<ssize_t> SpliceReply(int pipe, size_t len);
 
   // RelayOutput (called with mu_ held).
   void ToKernel(const char* data, size_t len) override;
@@ -103,6 +109,10 @@ class InProgram final : public RelayOutput {
   fuse_out_header header_{};
   const iovec* header_iov_ = nullptr;
   int header_iovcnt_ = 0;
+  // Or a spliced one: the data follows the header in this pipe (SpliceReply); -1 when none.
+  int header_pipe_ = -1;
+  fuse_out_header spliced_header_{};  // the header as the program wrote it
+  ssize_t header_pipe_result_ = 0;
 };
 
 }  // namespace fusekeeper::relay
