@@ -1,7 +1,9 @@
 // The reference server end to end: the agent's side (a real FUSE mount and a HandoffEndpoint on
 // the ring) in this process, fkserve as a child process, in a private mount namespace.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mount.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
@@ -294,6 +296,38 @@ TEST_F(FkserveTest, SplicedReadRepliesArriveWholeInEveryMode) {
     EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
     endpoint_.reset();
   }
+}
+
+// A program's process that outlives its launcher (a daemonized one outside a container, or one
+// forked just as the launcher was killed) must not serve on with the relay's core in it: the
+// next launcher starts an instance of its own, and two cores on one connection lose each
+// other's file handles (seen: READ of a handle "the relay never issued" after launcher kills).
+TEST_F(FkserveTest, AnInstanceWhoseLauncherDiedStopsServing) {
+  MountAndOffer({.volume_id = "v-orphan"});
+  // The shell is the launcher's child (it dies with it); the program is the shell's.
+  StartServer({"launch", "--", "/bin/sh", "-c", RunfilePath("tests/testing/hello_fuse") + " /dev/fd/{fd} x & wait"});
+  ASSERT_TRUE(WaitServed()) << server_->Stderr();
+  EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x");
+  ASSERT_TRUE(server_->WaitForStderr("reads the kernel's connection itself", 1, kTestDeadline)) << server_->Stderr();
+  const std::string sh = std::to_string(server_->pid());
+  pid_t shell = 0, program = 0;
+  {
+    std::ifstream children("/proc/" + sh + "/task/" + sh + "/children");
+    ASSERT_TRUE(children >> shell);
+  }
+  {
+    std::ifstream children("/proc/" + std::to_string(shell) + "/task/" + std::to_string(shell) + "/children");
+    ASSERT_TRUE(children >> program);
+  }
+  // Readable once the program has ended (it is not our child: no wait).
+  UniqueFd ended(static_cast<int>(syscall(SYS_pidfd_open, program, 0)));
+  ASSERT_TRUE(ended.valid()) << strerror(errno);
+  server_->Signal(SIGKILL);
+  ASSERT_TRUE(server_->Wait(std::chrono::milliseconds(20000)).has_value());
+  pollfd p{ended.get(), POLLIN, 0};
+  const bool gone = poll(&p, 1, static_cast<int>(std::chrono::milliseconds(kTestDeadline).count())) == 1;
+  EXPECT_TRUE(gone) << "the program serves on without its launcher";
+  if (!gone) kill(program, SIGKILL);
 }
 
 // Under a seccomp filter that refuses io_uring (the container runtimes' default profiles):

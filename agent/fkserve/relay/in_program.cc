@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/fuse.h>
 #include <poll.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -256,8 +257,17 @@ ssize_t InProgram::Read(void* buf, size_t count) {
         return -1;
       }
     }
-    pollfd fds[2] = {{kernel_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) return -1;  // EINTR: a signal for the program (libfuse's exit)
+    pollfd fds[3] = {{kernel_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}, {report_.get(), POLLRDHUP, 0}};
+    if (poll(fds, report_.valid() ? 3 : 2, -1) < 0) return -1;  // EINTR: a signal for the program (libfuse's exit)
+    if ((fds[2].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+      // The launcher has ended. The next one carries on from the journal with an instance of its
+      // own: this one must not serve on beside it (two cores on one connection). In a container
+      // the launcher's end ends every process; a daemonized program outside one, or one forked
+      // just as its launcher was killed, ends here.
+      static const char kGone[] = "fkserve (in the program): the launcher has ended: this instance stops\n";
+      (void)!RawWrite(STDERR_FILENO, kGone, sizeof(kGone) - 1);
+      kill(getpid(), SIGKILL);
+    }
     if ((fds[0].revents & (POLLIN | POLLERR | POLLHUP)) == 0) continue;
     Prefault(buf, count);
     const ssize_t n = RawRead(kernel_.get(), buf, count);
