@@ -34,11 +34,11 @@ struct HandoffEndpoint::Connection {
   std::string out;
   iovec out_iov{};
   msghdr out_msg{};
-  alignas(cmsghdr) char out_control[CMSG_SPACE(2 * sizeof(int))];
+  FdControl out_control;
   std::string in;
   iovec in_iov{};
   msghdr in_msg{};
-  alignas(cmsghdr) char in_control[CMSG_SPACE(sizeof(int) * 4)];
+  FdControl in_control;
   Completion send;
   Completion recv;
   TimerId timer = 0;
@@ -514,15 +514,8 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
     if (const int fl = fcntl(fuse_fd_.get(), F_GETFL); fl >= 0 && (fl & O_NONBLOCK)) {
       fcntl(fuse_fd_.get(), F_SETFL, fl & ~O_NONBLOCK);
     }
-    c->out_msg.msg_control = c->out_control;
-    const int fds[2] = {fuse_fd_.get(), relay_state_.get()};
-    const size_t count = c->live && relay_state_.valid() ? 2 : 1;
-    c->out_msg.msg_controllen = CMSG_SPACE(count * sizeof(int));
-    cmsghdr* cm = CMSG_FIRSTHDR(&c->out_msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(count * sizeof(int));
-    std::memcpy(CMSG_DATA(cm), fds, count * sizeof(int));
+    const int fds[2] = {fuse_fd_.get(), c->live ? relay_state_.get() : -1};
+    AttachFds(&c->out_msg, &c->out_control, fds, 2);
   }
   c->send.callback = [this, c, why](int32_t res, bool) {
     Completed();
@@ -701,8 +694,8 @@ void HandoffEndpoint::PrepareReceive(Connection* c) {
   c->in_msg = {};
   c->in_msg.msg_iov = &c->in_iov;
   c->in_msg.msg_iovlen = 1;
-  c->in_msg.msg_control = c->in_control;
-  c->in_msg.msg_controllen = sizeof(c->in_control);
+  c->in_msg.msg_control = c->in_control.bytes;
+  c->in_msg.msg_controllen = sizeof(c->in_control.bytes);
 }
 
 std::unique_ptr<HandoffEndpoint::Connection> HandoffEndpoint::TakeConnection(Connection* c) {

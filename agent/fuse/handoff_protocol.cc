@@ -269,71 +269,23 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json) {
 
 absl::Status SendHandoffMessage(int sock, absl::string_view payload, int fd, int fd2) {
   if (payload.size() > kMaxHandoffMessageBytes) return Bad("payload too large to send");
-  iovec iov{const_cast<char*>(payload.data()), payload.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
-  int fds[2];
-  size_t count = 0;
-  for (int f : {fd, fd2}) {
-    if (f >= 0) fds[count++] = f;
-  }
-  if (count > 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = CMSG_SPACE(count * sizeof(int));
-    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(count * sizeof(int));
-    std::memcpy(CMSG_DATA(cm), fds, count * sizeof(int));
-  }
-  ssize_t n;
-  do {
-    n = sendmsg(sock, &msg, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
+  const int fds[2] = {fd, fd2};
+  const ssize_t n = SendWithFds(sock, payload.data(), payload.size(), fds, 2);
   if (n < 0) return ErrnoStatus(errno, "sending handoff message");
   if (static_cast<size_t>(n) != payload.size()) return absl::InternalError("short handoff send");
   return absl::OkStatus();
 }
 
-std::vector<UniqueFd> TakeReceivedFds(const msghdr& msg, bool* other_control) {
-  std::vector<UniqueFd> fds;
-  *other_control = false;
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(const_cast<msghdr*>(&msg), cm)) {
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-      size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
-        fds.emplace_back(fd);
-      }
-    } else {
-      *other_control = true;
-    }
-  }
-  return fds;
-}
-
 absl::StatusOr<ReceivedMessage> ReceiveHandoffMessage(int sock) {
   std::string buf(kMaxHandoffMessageBytes + 1, '\0');
-  iovec iov{buf.data(), buf.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ssize_t n;
-  do {
-    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) return ErrnoStatus(errno, "receiving handoff message");
-  // Take ownership of every fd first, so that nothing leaks whatever is wrong below.
+  // Every fd is owned first, so that nothing leaks whatever is wrong below.
+  std::vector<UniqueFd> fds;
+  int flags = 0;
   bool other_control = false;
-  std::vector<UniqueFd> fds = TakeReceivedFds(msg, &other_control);
+  const ssize_t n = ReceiveWithFds(sock, buf.data(), buf.size(), &fds, &flags, &other_control);
+  if (n < 0) return ErrnoStatus(errno, "receiving handoff message");
   if (n == 0 && fds.empty()) return absl::UnavailableError("the peer closed the handoff socket");
-  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return Bad("message or its control data was truncated");
+  if (flags & (MSG_TRUNC | MSG_CTRUNC)) return Bad("message or its control data was truncated");
   if (other_control) return Bad("unexpected control data");
   if (fds.size() > 2) return Bad(absl::StrCat(fds.size(), " file descriptors attached; expected at most 2"));
   ReceivedMessage out;

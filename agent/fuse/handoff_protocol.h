@@ -89,6 +89,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "agent/base/fd_passing.h"  // TakeReceivedFds, for the ring's receives
 #include "agent/base/unique_fd.h"
 
 namespace fusekeeper {
@@ -161,9 +162,6 @@ absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json);
 // JSON string literal (with quotes) for any bytes; invalid UTF-8 is replaced by U+FFFD.
 std::string JsonQuote(absl::string_view s);
 
-// Takes ownership of every fd in msg's SCM_RIGHTS control messages (so none can leak); sets
-// *other_control if control data of another kind was present.
-std::vector<UniqueFd> TakeReceivedFds(const msghdr& msg, bool* other_control);
 
 // Whether `fd` is a memfd (what a relay state must be: the agent keeps nothing else).
 bool IsMemfd(int fd);
