@@ -112,6 +112,38 @@ class FkserveTest : public ::testing::Test {
   bool WaitServed() {
     return served_.get_future().wait_for(kTestDeadline) == std::future_status::ready;
   }
+  // How a test serves: fkserve serve, or hello_fuse launched in each relaying way.
+  enum Mode { kServe, kInProgram, kHop, kDirect };
+  static const char* ModeName(Mode m) {
+    return m == kServe ? "serve" : m == kInProgram ? "in-program" : m == kHop ? "hop" : "direct";
+  }
+  // Mounts a fresh connection for volume `prefix`-<mode> and starts fkserve on it: serve of
+  // export_, or `fkserve launch` of hello_fuse with `content` on /dev/fd/{fd}.
+  void StartMode(Mode mode, const std::string& prefix, const std::string& content) {
+    served_ = std::promise<void>();
+    gone_ = std::promise<absl::Status>();
+    MountAndOffer({.volume_id = prefix + ModeName(mode)});
+    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", content};
+    if (mode == kDirect) args.insert(args.begin(), "--direct");
+    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
+    if (mode == kServe) args = {"serve", "--root=" + export_};
+    StartServer(args);
+  }
+  // The launcher's program: its first child.
+  pid_t LaunchedProgram() {
+    const std::string pid = std::to_string(server_->pid());
+    std::ifstream children("/proc/" + pid + "/task/" + pid + "/children");
+    pid_t program = 0;
+    children >> program;
+    return program;
+  }
+  // Unmounts, stops the endpoint and checks the server ends with 0; ready for the next mode.
+  void UnmountAndExpectCleanExit() {
+    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    lt_.RunOnLoop([&] { endpoint_->Stop(); });
+    EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
+    endpoint_.reset();
+  }
   int ServerExit() {
     auto st = server_->Wait(std::chrono::milliseconds(20000));
     EXPECT_TRUE(st.has_value());
@@ -207,17 +239,10 @@ TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
 // the relay's core in it (relay/in_program.h); --in_program=false relays it through the launcher
 // (the program holds a socket); --direct hands it the device without a relay.
 TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
-  enum Mode { kInProgram, kHop, kDirect };
   for (const Mode mode : {kInProgram, kHop, kDirect}) {
-    const char* name = mode == kInProgram ? "in-program" : mode == kHop ? "hop" : "direct";
+    const char* name = ModeName(mode);
     SCOPED_TRACE(name);
-    served_ = std::promise<void>();
-    gone_ = std::promise<absl::Status>();
-    MountAndOffer({.volume_id = std::string("v-") + name});
-    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "x\n"};
-    if (mode == kDirect) args.insert(args.begin(), "--direct");
-    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
-    StartServer(args);
+    StartMode(mode, "v-", "x\n");
     ASSERT_TRUE(WaitServed()) << server_->Stderr();
     EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
     std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
@@ -250,18 +275,9 @@ TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
 TEST_F(FkserveTest, SplicedReadRepliesArriveWholeInEveryMode) {
   constexpr size_t kBytes = 4 << 20;
   const std::string want = SplicedContent(kBytes);
-  enum Mode { kInProgram, kHop, kDirect };
   for (const Mode mode : {kInProgram, kHop, kDirect}) {
-    const char* name = mode == kInProgram ? "in-program" : mode == kHop ? "hop" : "direct";
-    SCOPED_TRACE(name);
-    served_ = std::promise<void>();
-    gone_ = std::promise<absl::Status>();
-    MountAndOffer({.volume_id = std::string("v-splice-") + name});
-    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}",
-                                     std::string(kSpliceContent) + std::to_string(kBytes)};
-    if (mode == kDirect) args.insert(args.begin(), "--direct");
-    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
-    StartServer(args);
+    SCOPED_TRACE(ModeName(mode));
+    StartMode(mode, "v-splice-", std::string(kSpliceContent) + std::to_string(kBytes));
     ASSERT_TRUE(WaitServed()) << server_->Stderr();
     const std::string file = mnt_ + "/hello";
     UniqueFd held(open(file.c_str(), O_RDONLY | O_CLOEXEC));
@@ -280,10 +296,8 @@ TEST_F(FkserveTest, SplicedReadRepliesArriveWholeInEveryMode) {
     };
     EXPECT_TRUE(read_all() == want) << "the file read back differs" << server_->Stderr();
     if (mode != kDirect) {
-      std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
-                             "/children");
-      pid_t program = 0;
-      ASSERT_TRUE(children >> program);
+      const pid_t program = LaunchedProgram();
+      ASSERT_GT(program, 0);
       ASSERT_EQ(kill(program, SIGKILL), 0);
       auto again = WithDeadline([&] { return read_all() == want; });
       ASSERT_TRUE(again.has_value()) << "the read waits on\n" << server_->Stderr();
@@ -291,10 +305,7 @@ TEST_F(FkserveTest, SplicedReadRepliesArriveWholeInEveryMode) {
     }
     EXPECT_EQ(server_->CountInStderr("failed with"), 0) << server_->Stderr();
     held.Reset();
-    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
-    lt_.RunOnLoop([&] { endpoint_->Stop(); });
-    EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
-    endpoint_.reset();
+    UnmountAndExpectCleanExit();
   }
 }
 
@@ -336,17 +347,9 @@ TEST_F(FkserveTest, AnInstanceWhoseLauncherDiedStopsServing) {
 // reader reads on, the same bytes.
 TEST_F(FkserveTest, ServesAndRelaysWhereIoUringIsRefused) {
   refuse_io_uring_ = true;
-  enum Mode { kServe, kInProgram, kHop };
   for (const Mode mode : {kServe, kInProgram, kHop}) {
-    const char* name = mode == kServe ? "serve" : mode == kInProgram ? "in-program" : "hop";
-    SCOPED_TRACE(name);
-    served_ = std::promise<void>();
-    gone_ = std::promise<absl::Status>();
-    MountAndOffer({.volume_id = std::string("v-ring-") + name});
-    std::vector<std::string> args = {"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "x\n"};
-    if (mode == kHop) args.insert(args.begin(), "--in_program=false");
-    if (mode == kServe) args = {"serve", "--root=" + export_};
-    StartServer(args);
+    SCOPED_TRACE(ModeName(mode));
+    StartMode(mode, "v-ring-", "x\n");
     ASSERT_TRUE(WaitServed()) << server_->Stderr();
     const std::string file = mnt_ + (mode == kServe ? "/existing.txt" : "/hello");
     const std::string want = mode == kServe ? "already here\n" : "x\n";
@@ -356,10 +359,8 @@ TEST_F(FkserveTest, ServesAndRelaysWhereIoUringIsRefused) {
     ASSERT_EQ(pread(held.get(), buf, sizeof(buf), 0), static_cast<ssize_t>(want.size()));
     if (mode != kServe) {
       EXPECT_EQ(server_->CountInStderr("waiting with epoll"), 1) << server_->Stderr();
-      std::ifstream children("/proc/" + std::to_string(server_->pid()) + "/task/" + std::to_string(server_->pid()) +
-                             "/children");
-      pid_t program = 0;
-      ASSERT_TRUE(children >> program);
+      const pid_t program = LaunchedProgram();
+      ASSERT_GT(program, 0);
       ASSERT_EQ(kill(program, SIGKILL), 0);
       ASSERT_TRUE(server_->WaitForStderr("the relay keeps the connection: restarting it", 1, kTestDeadline))
           << server_->Stderr();
@@ -373,10 +374,7 @@ TEST_F(FkserveTest, ServesAndRelaysWhereIoUringIsRefused) {
       EXPECT_TRUE(server_->WaitForStderr("(1 restart(s) so far)", 1, kTestDeadline)) << server_->Stderr();
     }
     held.Reset();
-    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
-    lt_.RunOnLoop([&] { endpoint_->Stop(); });
-    EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
-    endpoint_.reset();
+    UnmountAndExpectCleanExit();
   }
 }
 
