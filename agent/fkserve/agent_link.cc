@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "agent/fkserve/drain_gate.h"
+#include "agent/fkserve/handoff_client.h"
 #include "agent/fkserve/stop_signals.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/version.h"
@@ -23,28 +24,7 @@ namespace {
 
 constexpr int kWatchPollMs = 200;
 
-HandoffReply Named(HandoffReply r) {
-  r.server = ServerName();
-  return r;
-}
-
 }  // namespace
-
-std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
-
-void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh, const std::string& init, bool relayed,
-                  int relay_state) {
-  HandoffReply r;
-  r.relayed = relayed;
-  r.relay_state = relay_state >= 0;
-  r.ok = ok;
-  r.error = error;
-  r.fresh = fresh;
-  r.init = init;
-  r.server = ServerName();
-  auto s = SendHandoffMessage(sock, EncodeHandoffReply(r), relay_state);
-  if (!s.ok()) fprintf(stderr, "fkserve: replying to the agent: %s\n", std::string(s.message()).c_str());
-}
 
 AgentLink::AgentLink(UniqueFd sock, UniqueFd fuse_dup, std::string init, std::string socket_path, uid_t agent_uid)
     : init_(std::move(init)),
@@ -93,8 +73,7 @@ void AgentLink::Notice(const std::string& text, int64_t restart_ms) {
 void AgentLink::Send(const HandoffReply& r, const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!sock_) return;
-  auto s = SendHandoffMessage(sock_.get(), EncodeHandoffReply(Named(r)), -1);
-  if (!s.ok()) fprintf(stderr, "fkserve: %s: %s\n", what, std::string(s.message()).c_str());
+  SendToAgent(sock_.get(), r, what);
 }
 
 void AgentLink::CheckDrain() {
@@ -155,22 +134,14 @@ void AgentLink::Run() {
 }
 
 UniqueFd AgentLink::Redeposit() {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (socket_path_.size() >= sizeof(addr.sun_path)) return UniqueFd();
-  memcpy(addr.sun_path, socket_path_.data(), socket_path_.size());
   auto delay = std::chrono::milliseconds(20);
   while (!stopping_) {
-    UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-    if (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      ucred cred{};
-      socklen_t len = sizeof(cred);
-      if (getsockopt(s.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-          cred.uid != agent_uid_) {
-        fprintf(stderr, "fkserve: the peer on %s is not the agent (uid %u); not re-depositing\n",
-                socket_path_.c_str(), cred.uid);
-        return UniqueFd();
-      }
+    absl::StatusOr<UniqueFd> s = TryConnectToAgent(socket_path_, agent_uid_);
+    if (absl::IsPermissionDenied(s.status()) || absl::IsInvalidArgument(s.status())) {
+      fprintf(stderr, "fkserve: %s; not re-depositing\n", std::string(s.status().message()).c_str());
+      return UniqueFd();
+    }
+    if (s.ok()) {
       HandoffReply r;
       r.ok = true;
       r.redeposit = true;
@@ -178,10 +149,11 @@ UniqueFd AgentLink::Redeposit() {
       r.init = init_;
       r.relay_state = relay_state_.valid();
       r.draining = draining_ && !stop_released_;  // a restarted agent learns it still waits for a successor
-      auto sent = SendHandoffMessage(s.get(), EncodeHandoffReply(Named(r)), fuse_dup_.get(), relay_state_.get());
+      r.server = ServerName();
+      auto sent = SendHandoffMessage(s->get(), EncodeHandoffReply(r), fuse_dup_.get(), relay_state_.get());
       if (sent.ok()) {
         fprintf(stderr, "fkserve: re-deposited the FUSE connection with the agent\n");
-        return s;
+        return std::move(*s);
       }
     }
     // The agent is not listening yet (ENOENT, ECONNREFUSED): it is restarting. A drain goes on

@@ -21,18 +21,10 @@
 #include <thread>
 
 #include "agent/base/unique_fd.h"
+#include "agent/fkserve/handoff_client.h"
 #include "agent/fuse/handoff_protocol.h"
 
 namespace fusekeeper {
-
-// How fkserve names itself in its replies ("fkserve <version>").
-std::string ServerName();
-
-// Answers the agent's handoff on `sock` (blocking); a failure to reply is printed, and changes
-// nothing that follows.
-// `relay_state`: the relay's state memfd to deposit with an ok reply (-1: none).
-void ReplyToAgent(int sock, bool ok, const std::string& error, bool fresh = false, const std::string& init = "",
-                  bool relayed = false, int relay_state = -1);
 
 class AgentLink {
  public:

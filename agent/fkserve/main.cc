@@ -16,11 +16,7 @@
 #include <limits.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/inotify.h>
-#include <poll.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
+#include "agent/fkserve/handoff_client.h"
 #include "agent/fkserve/launcher.h"
 #include "agent/fkserve/stop_signals.h"
 #include "agent/fkserve/tools.h"
@@ -174,85 +171,21 @@ int main(int argc, char** argv) {
   }
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (FLAGS_socket.size() >= sizeof(addr.sun_path)) {
-    return Fail(3, absl::StrCat("socket path ", FLAGS_socket, " is longer than 107 bytes; "
-                                "pass it through a shorter path or /proc/self/fd/<dirfd>/name"));
-  }
-  memcpy(addr.sun_path, FLAGS_socket.data(), FLAGS_socket.size());
-  UniqueFd sock;
-  {
-    // Until the socket is there and listened on, or --socket_wait_ms: woken by its directory
-    // changing (inotify), and once a second in any case (a socket re-bound in place).
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, FLAGS_socket_wait_ms));
-    const std::string dir = FLAGS_socket.find('/') == std::string::npos
-                                ? "."
-                                : FLAGS_socket.substr(0, std::max<size_t>(1, FLAGS_socket.rfind('/')));
-    UniqueFd watch(inotify_init1(IN_CLOEXEC | IN_NONBLOCK));
-    if (watch.valid()) inotify_add_watch(watch.get(), dir.c_str(), IN_CREATE | IN_MOVED_TO | IN_ATTRIB);
-    bool said = false;
-    for (;;) {
-      // Events so far are drained before the attempt, never after it: a change that lands
-      // between the attempt and the poll still wakes the poll.
-      char drain[4096];
-      while (watch.valid() && read(watch.get(), drain, sizeof(drain)) > 0) {
-      }
-      sock.Reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-      if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) break;
-      const int err = errno;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      // EACCES too: the agent makes the socket, then gives it to the server's user (chown).
-      if ((err != ENOENT && err != ECONNREFUSED && err != EACCES) || left.count() <= 0) {
-        return Fail(3, absl::StrCat("cannot connect to ", FLAGS_socket, ": ", strerror(err),
-                                    err == ENOENT ? " (does the agent publish this volume?)" : ""));
-      }
-      if (!said) {
-        fprintf(stderr, "fkserve: %s: %s; waiting up to %d ms for the agent\n", FLAGS_socket.c_str(), strerror(err),
-                FLAGS_socket_wait_ms);
-        said = true;
-      }
-      pollfd p{watch.get(), POLLIN, 0};
-      poll(&p, watch.valid() ? 1 : 0, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
-    }
-  }
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-      cred.uid != static_cast<uid_t>(FLAGS_agent_uid)) {
-    return Fail(3, absl::StrCat("the peer on ", FLAGS_socket, " runs as uid ", cred.uid,
-                                ", not the agent's uid ", FLAGS_agent_uid, "; refusing it"));
-  }
-  // A live connection this mode cannot adopt is answered with a request for a fresh one, which
-  // the agent sends on the same socket.
-  absl::StatusOr<fusekeeper::ReceivedMessage> msg;
-  absl::StatusOr<fusekeeper::MountConfig> config;
-  for (int round = 0;; ++round) {
-    msg = fusekeeper::ReceiveHandoffMessage(sock.get());
-    if (!msg.ok()) return Fail(4, absl::StrCat("receiving from the agent: ", msg.status().message()));
-    config = fusekeeper::DecodeMountConfig(msg->payload);
-    if (!config.ok()) return Fail(4, std::string(config.status().message()));
-    struct stat st;
-    if (!msg->fd.valid() || fstat(msg->fd.get(), &st) != 0 || !S_ISCHR(st.st_mode) ||
-        major(st.st_rdev) != 10 || minor(st.st_rdev) != 229) {
-      fusekeeper::ReplyToAgent(sock.get(), false, "the fd received is not /dev/fuse");
-      return Fail(4, "the agent's message did not carry a /dev/fuse fd");
-    }
-    // `serve` replays the first server's INIT; a relayed `launch` carries on from the relay state
-    // the launcher before it deposited with the agent.
-    // Blocking, as libfuse and the launched programs expect it (a relay before us read it
-    // non-blocking; the flag is the open file's).
-    if (const int fl = fcntl(msg->fd.get(), F_GETFL); fl >= 0 && (fl & O_NONBLOCK)) {
-      fcntl(msg->fd.get(), F_SETFL, fl & ~O_NONBLOCK);
-    }
-    const bool can_adopt = (mode == "serve" && !config->init.empty()) ||
-                           (mode == "launch" && !FLAGS_direct && config->relay_state && msg->fd2.valid());
-    if (!config->live || can_adopt) break;
-    if (round > 0) return Fail(4, "the agent offered a live connection again after a fresh one was asked for");
-    fprintf(stderr, "fkserve: volume %s: cannot adopt the live connection in %s mode; asking for a fresh one\n",
-            config->volume_id.c_str(), mode.c_str());
-    fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat(mode, " mode cannot adopt a live connection"), /*fresh=*/true);
-  }
+  absl::StatusOr<UniqueFd> connected = fusekeeper::ConnectToAgentBlocking(
+      FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid), std::chrono::milliseconds(FLAGS_socket_wait_ms),
+      [](const std::string& why) { fprintf(stderr, "fkserve: %s\n", why.c_str()); });
+  if (!connected.ok()) return Fail(3, std::string(connected.status().message()));
+  UniqueFd sock = std::move(*connected);
+  // `serve` replays the first server's INIT; a relayed `launch` carries on from the relay state
+  // the launcher before it deposited with the agent. Any other live connection is refused for a
+  // fresh one.
+  absl::StatusOr<fusekeeper::Handoff> handoff =
+      fusekeeper::ReceiveHandoffBlocking(sock.get(), mode, [&](const fusekeeper::Handoff& h) {
+        return (mode == "serve" && !h.config.init.empty()) ||
+               (mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid());
+      });
+  if (!handoff.ok()) return Fail(4, std::string(handoff.status().message()));
+  const fusekeeper::MountConfig* config = &handoff->config;
   fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", config->volume_id.c_str(), mode.c_str(),
           config->live ? ", adopting the live connection" : "");
 
@@ -291,8 +224,7 @@ int main(int argc, char** argv) {
     lo.drain_ms = config->drain_ms;
     lo.init_timeout = std::chrono::milliseconds(FLAGS_init_timeout_ms);
     lo.program_stall = std::chrono::milliseconds(FLAGS_program_stall_ms);
-    return fusekeeper::Launch(std::move(sock), std::move(msg->fd),
-                              config->live ? std::move(msg->fd2) : UniqueFd(), lo);
+    return fusekeeper::Launch(std::move(sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
   }
 
   fusekeeper::PassthroughOptions options;
@@ -309,7 +241,7 @@ int main(int argc, char** argv) {
     options.live = true;
   } else {
     // Read the INIT now, to report it: a successor adopting this connection replays it.
-    auto init = fusekeeper::ReadInitRequest(msg->fd.get(), 10000);
+    auto init = fusekeeper::ReadInitRequest(handoff->fuse.get(), 10000);
     if (!init.ok()) {
       fusekeeper::ReplyToAgent(sock.get(), false, std::string(init.status().message()));
       return Fail(5, std::string(init.status().message()));
@@ -319,13 +251,13 @@ int main(int argc, char** argv) {
   fusekeeper::ReplyToAgent(sock.get(), true, "", false, config->live ? "" : options.init_request);
   // The connection stays open while we serve (and is re-deposited with a restarted agent); its
   // end (and why) is reported to the agent.
-  fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(msg->fd.get(), F_DUPFD_CLOEXEC, 3)),
+  fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(handoff->fuse.get(), F_DUPFD_CLOEXEC, 3)),
                              options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
   // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
   link.set_drain_ms(config->drain_ms);
   link.Start();
   MarkReady(true);
-  absl::Status s = fusekeeper::ServePassthrough(msg->fd.Release(), options);
+  absl::Status s = fusekeeper::ServePassthrough(handoff->fuse.Release(), options);
   MarkReady(false);
   link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
   if (!s.ok()) return Fail(5, std::string(s.message()));
