@@ -280,6 +280,12 @@ TEST_F(RelayCoreTest, AnOpenFileThatWasUnlinkedFailsWithEstaleAfterARestart) {
   const uint64_t kk = Lookup(FUSE_ROOT_ID, "kept");
   const uint64_t fg = Open(kg), fk = Open(kk);
   ASSERT_EQ(ErrorOf(Call(FUSE_UNLINK, FUSE_ROOT_ID, std::string("gone") + '\0')), 0);
+  // Said when it happens, while the file still works: the one held file that lost its path.
+  const std::string said = absl::StrJoin(wires_.logs, "\n");
+  EXPECT_NE(said.find(absl::StrCat("node ", kg, ", open, lost its path 'gone' at the program's UNLINK reply")),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(said.find("'kept'"), std::string::npos) << said;
   Kill();
   Start();
   Pump();

@@ -79,7 +79,9 @@ class RelayModelTest : public ProgramsE2ETest {
       if (i % 7 == 0) {
         // The launcher and its program at once (a container restarted, an image upgraded).
         for (absl::string_view line : absl::StrSplit(launcher->Stderr(), '\n')) {
-          if (absl::StrContains(line, "failed with")) absl::StrAppend(&dead_launchers, "(a killed launcher) ", line, "\n");
+          if (absl::StrContains(line, "failed with") || absl::StrContains(line, "lost its path")) {
+            absl::StrAppend(&dead_launchers, "(a killed launcher) ", line, "\n");
+          }
         }
         launcher = KillLauncherAndStartAnother(launcher, PodSocket(pod), launch);
         ASSERT_NE(launcher, nullptr) << say();

@@ -72,6 +72,7 @@ void NodeTable::SetName(Node& n, uint64_t parent, absl::string_view name) {
   ++p->children;  // first: the clears below must not erase the new parent
   // Another node by that name is replaced: it keeps living without a path.
   if (const uint64_t other = KidOfName(parent, name); other != 0 && other != n.kid) {
+    NoteLost(*Find(other));
     ClearName(*Find(other));
     MaybeErase(other);
   }
@@ -179,6 +180,7 @@ void NodeTable::Rename(uint64_t old_parent, absl::string_view old_name, uint64_t
   if (moved != 0) {
     SetName(*Find(moved), new_parent, new_name);  // replaces `other`, if any
   } else if (other != 0) {
+    NoteLost(*Find(other));
     ClearName(*Find(other));
     MaybeErase(other);
   }
@@ -186,6 +188,7 @@ void NodeTable::Rename(uint64_t old_parent, absl::string_view old_name, uint64_t
 
 void NodeTable::Unlink(uint64_t parent, absl::string_view name) {
   if (const uint64_t kid = KidOfName(parent, name); kid != 0) {
+    NoteLost(*Find(kid));
     ClearName(*Find(kid));
     MaybeErase(kid);
   }

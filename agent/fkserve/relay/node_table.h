@@ -95,6 +95,15 @@ class NodeTable {
 
   std::vector<ProgramForget> TakeForgets();
 
+  // Nodes held open (a handle) that lost their path since the last call (unlinked, renamed over,
+  // or named by another node), with the name they had: after a restart such a node cannot be
+  // reopened, so the relay says so when it happens.
+  struct LostPath {
+    uint64_t kid;
+    std::string name;
+  };
+  std::vector<LostPath> TakeLostPaths() { return std::exchange(lost_, {}); }
+
   // Change tracking for the relay's state journal (relay_state.h): once on, every node whose
   // parent, name or kernel lookup count changed, or that was erased, since the last call.
   void TrackChanges() { track_changes_ = true; }
@@ -122,6 +131,10 @@ class NodeTable {
   std::unordered_map<std::string, uint64_t> by_name_;  // NameKey(parent, name)
   uint64_t next_kid_ = kFirstAllocatedKid;
   std::vector<ProgramForget> forgets_;
+  std::vector<LostPath> lost_;
+  void NoteLost(const Node& n) {
+    if (n.handles > 0 && n.parent != 0) lost_.push_back({n.kid, std::string(n.name())});
+  }
   bool track_changes_ = false;
   std::vector<uint64_t> changed_;  // may repeat a kid
 };

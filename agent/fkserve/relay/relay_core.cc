@@ -1072,6 +1072,11 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
     }
   }
   if (h.error == 0) NoteChange(r, msg, len);
+  for (const NodeTable::LostPath& lost : nodes_.TakeLostPaths()) {
+    out_->Log(absl::StrCat("relay: node ", lost.kid, ", open, lost its path '", lost.name, "' at the program's ",
+                           OpName(r.opcode), " reply (unique ", h.unique,
+                           "): if the program dies, it cannot be reopened (ESTALE)"));
+  }
   ++stats_.program_answers_since_start;
   Reply(msg, len);
   Complete(h.unique);
