@@ -439,6 +439,36 @@ TEST_F(RelayCoreTest, WritesTheDeadProgramHadNotSyncedAreWrittenAgain) {
 // write it accepted but the program had not synced, and a read in flight: the next launcher
 // restores the relay from the journal; the kernel's ids and handles keep working, the read that
 // was in flight is answered once, and the unsynced write reaches the disk at the next fsync.
+// The core journals a RENAME's effect before it writes the answer to the kernel: a launcher (or
+// a program running the core) killed between the two leaves a journal that has the file renamed
+// and a kernel that sends the RENAME again. The next core finds the old name gone ("done by the
+// dead instance") and must not take the file under its new name for another one the RENAME
+// replaced: it lost its path, and every later restart failed the held file with ESTALE (seen:
+// unionfs-fuse under the model-checking writer, in full-suite runs).
+TEST_F(RelayCoreTest, ARenameJournaledButNeverAnsweredIsNotAppliedTwice) {
+  disk_.Make(1, "a", false, "renamed");
+  Start();
+  Init();
+  const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
+  const uint64_t fh = Open(ka, O_RDONLY);
+  const uint64_t rename = Call(FUSE_RENAME, FUSE_ROOT_ID, RenameBody("a", "b")).empty() ? 0 : next_unique_ - 2;
+  ASSERT_NE(rename, 0u);
+  wires_.replies.erase(rename);  // the answer never got out
+  KillLauncher();
+  Start();
+  Pump();
+  ASSERT_FALSE(ReplyTo(rename).empty());
+  EXPECT_EQ(ErrorOf(ReplyTo(rename)), 0) << "done by the dead instance";
+  EXPECT_EQ(Read(ka, fh), "renamed");
+  // And after the next restart, the file is still found by its path.
+  Kill();
+  Start();
+  Pump();
+  EXPECT_EQ(Read(ka, fh), "renamed");
+  EXPECT_EQ(core_.stats().restore_failures, 0u) << absl::StrJoin(wires_.logs, "\n");
+  EXPECT_EQ(absl::StrJoin(wires_.logs, "\n").find("lost its path"), std::string::npos) << absl::StrJoin(wires_.logs, "\n");
+}
+
 TEST_F(RelayCoreTest, ANewLauncherCarriesOnFromTheJournal) {
   const uint64_t dir = disk_.Make(1, "d", true);
   const uint64_t ino = disk_.Make(dir, "f", false, "");

@@ -596,9 +596,12 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
         ++stats_.done_by_dead;
         if (r.opcode == FUSE_UNLINK || r.opcode == FUSE_RMDIR) {
           nodes_.Unlink(r.node, r.name);
-        } else {
+        } else if (nodes_.KidOfName(r.node, r.name) != 0 || (r.flags & RENAME_EXCHANGE) != 0) {
           nodes_.Rename(r.node, r.name, r.node2, r.name2, (r.flags & RENAME_EXCHANGE) != 0);
         }
+        // Else the table has the old name no more: the core that died journaled this RENAME's
+        // effect before the kernel got its answer. Applied again, the file now under the new
+        // name would be taken for one the RENAME replaced, and lose its path.
         Reply(ErrorReply(unique, 0).data(), kOutHeader);
         Complete(unique);
         return;
