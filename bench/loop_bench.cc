@@ -21,29 +21,10 @@
 #include "absl/synchronization/mutex.h"
 #include "benchmark/benchmark.h"
 #include "glog/logging.h"
+#include "tests/testing/running_loop.h"
 
 namespace fusekeeper {
 namespace {
-
-class RunningLoop {
- public:
-  RunningLoop() {
-    auto loop = Loop::Create();
-    CHECK(loop.ok()) << loop.status();
-    loop_ = std::move(*loop);
-    thread_ = std::thread([this] { loop_->Run(); });
-  }
-  ~RunningLoop() {
-    loop_->Stop();
-    thread_.join();
-  }
-  Loop& loop() { return *loop_; }
-
- private:
-  std::unique_ptr<Loop> loop_;
-  std::thread thread_;
-};
-
 
 void BM_LoopPostRoundTrip(benchmark::State& state) {
   RunningLoop rl;

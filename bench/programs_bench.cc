@@ -53,6 +53,7 @@
 #include "glog/logging.h"
 #include "tests/testing/no_io_uring.h"
 #include "tests/testing/program_servers.h"
+#include "tests/testing/running_loop.h"
 #include "tests/testing/subprocess.h"
 
 namespace fusekeeper {
@@ -113,35 +114,6 @@ const char* WayCounter(int w) {
   return w == kDirect ? "direct" : w == kInProgram ? "inprog" : w == kHop ? "hop" : "hopepoll";
 }
 
-// A Loop on a thread of its own (the agent's side of the mounts).
-class LoopThread {
- public:
-  LoopThread() {
-    auto loop = Loop::Create();
-    CHECK(loop.ok()) << loop.status();
-    loop_ = std::move(*loop);
-    thread_ = std::thread([this] { loop_->Run(); });
-  }
-  ~LoopThread() {
-    loop_->Stop();
-    thread_.join();
-  }
-  template <typename F>
-  void Run(F fn) {
-    std::promise<void> done;
-    CHECK(loop_->Post([&] {
-      fn();
-      done.set_value();
-    }));
-    done.get_future().wait();
-  }
-  Loop& loop() { return *loop_; }
-
- private:
-  std::unique_ptr<Loop> loop_;
-  std::thread thread_;
-};
-
 // One mount served by one launcher.
 struct Served {
   std::string mnt, sockdir;
@@ -157,7 +129,7 @@ class Bench {
   ~Bench() {
     for (auto& s : served_) {
       umount2(s.mnt.c_str(), MNT_DETACH);
-      if (s.endpoint) lt_.Run([&] { s.endpoint->Stop(); });
+      if (s.endpoint) lt_.RunAndWait([&] { s.endpoint->Stop(); });
       s.endpoint.reset();
       s.server.reset();
     }
@@ -183,7 +155,7 @@ class Bench {
     chmod(s.sockdir.c_str(), 0755);
     if (!listen.ok()) return listen.status().ToString();
     auto served = std::make_shared<std::promise<void>>();
-    lt_.Run([&] {
+    lt_.RunAndWait([&] {
       HandoffEndpoint::Events events;
       events.on_served = [served](const HandoffReply&, pid_t) { served->set_value(); };
       MountConfig config;
@@ -245,7 +217,7 @@ class Bench {
 
  private:
   std::string root_;
-  LoopThread lt_;
+  RunningLoop lt_;  // the agent's side of the mounts
   std::vector<Served> served_;
 };
 
