@@ -3,8 +3,27 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 
 namespace fusekeeper {
+
+UniqueFd ConnectSeqpacket(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    errno = ENAMETOOLONG;
+    return UniqueFd();
+  }
+  memcpy(addr.sun_path, path.data(), path.size());
+  UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!s.valid()) return s;
+  if (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    s.Reset();
+    errno = err;
+  }
+  return s;
+}
 
 void AttachFds(msghdr* msg, FdControl* control, const int* fds, size_t n) {
   int kept[kMaxPassedFds];

@@ -1,5 +1,5 @@
-// File descriptors over a Unix socket (SCM_RIGHTS): the one place that builds and reads the
-// control messages. Used by the handoff (agent and fkserve), by fkserve's fusermount (a static
+// Unix sockets between fkserve's parts and the agent: connecting one, and file descriptors over
+// it (SCM_RIGHTS), the one place that builds and reads the control messages. Used by the handoff (agent and fkserve), by fkserve's fusermount (a static
 // binary) and by the preload library: libc and UniqueFd only.
 #pragma once
 
@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <string>
 #include <vector>
 
 #include "agent/base/unique_fd.h"
@@ -14,6 +15,10 @@
 namespace fusekeeper {
 
 inline constexpr size_t kMaxPassedFds = 8;
+
+// A SOCK_SEQPACKET socket (close-on-exec) connected to the Unix socket at `path`; invalid with
+// errno set if not (ENAMETOOLONG: a path sun_path cannot hold).
+UniqueFd ConnectSeqpacket(const std::string& path);
 
 // Control space for up to kMaxPassedFds fds, aligned for cmsghdr.
 struct FdControl {

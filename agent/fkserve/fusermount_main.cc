@@ -11,12 +11,12 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <string>
 #include <vector>
 
+#include "agent/base/fd_passing.h"
 #include "agent/fkserve/fusermount_protocol.h"
 
 namespace fusekeeper {
@@ -119,14 +119,12 @@ int Main(int argc, char** argv) {
                   " is not set and this fusermount is not in a launcher's directory; run the program under "
                   "`fkserve launch`");
   }
-  const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (service.size() >= sizeof(addr.sun_path)) return Refuse(service + " is too long a socket path");
-  memcpy(addr.sun_path, service.data(), service.size());
-  if (sock < 0 || connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  fusekeeper::UniqueFd service_sock = fusekeeper::ConnectSeqpacket(service);
+  if (!service_sock.valid()) {
+    if (errno == ENAMETOOLONG) return Refuse(service + " is too long a socket path");
     return Refuse("cannot reach the launcher at " + service + ": " + strerror(errno));
   }
+  const int sock = service_sock.get();
   char real[PATH_MAX];
   const std::string where = realpath(mountpoint.c_str(), real) != nullptr ? real : mountpoint;
   std::string joined;
@@ -136,7 +134,7 @@ int Main(int argc, char** argv) {
   if (!SendWithFd(sock, "mount\n" + where + "\n" + joined, -1) || !ReceiveWithFd(sock, &reply, &fuse_fd)) {
     return Refuse(std::string("asking the launcher for the connection: ") + strerror(errno));
   }
-  close(sock);
+  service_sock.Reset();
   if (fuse_fd < 0) return Refuse(reply);
   // The handover, as fusermount does it: one data byte and the fd.
   if (!SendWithFd(commfd, std::string(1, '\0'), fuse_fd)) {

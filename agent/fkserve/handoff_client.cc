@@ -7,7 +7,6 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +14,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "agent/base/fd_passing.h"
 #include "agent/version.h"
 
 namespace fusekeeper {
@@ -22,17 +22,13 @@ namespace fusekeeper {
 std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
 
 absl::StatusOr<UniqueFd> TryConnectToAgent(const std::string& path, uid_t agent_uid) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path ", path, " is longer than 107 bytes; pass it through "
-                                                   "a shorter path or /proc/self/fd/<dirfd>/name"));
-  }
-  memcpy(addr.sun_path, path.data(), path.size());
-  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (!sock.valid()) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
-  if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  UniqueFd sock = ConnectSeqpacket(path);
+  if (!sock.valid()) {
     const int err = errno;
+    if (err == ENAMETOOLONG) {
+      return absl::InvalidArgumentError(absl::StrCat("socket path ", path, " is longer than 107 bytes; pass it "
+                                                     "through a shorter path or /proc/self/fd/<dirfd>/name"));
+    }
     const std::string why = absl::StrCat("cannot connect to ", path, ": ", strerror(err));
     if (err == ENOENT) return absl::NotFoundError(why);
     // EACCES too: the agent makes the socket, then gives it to the server's user (chown).

@@ -5,8 +5,11 @@
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -81,6 +84,29 @@ TEST(FdPassingTest, MoreFdsThanTheRoomAreRefusedAtTheSenderSide) {
   ASSERT_EQ(ReceiveWithFds(p.b.get(), buf, sizeof(buf), &got, &flags, &other), 1);
   EXPECT_EQ(got.size(), kMaxPassedFds);
   EXPECT_EQ(flags & MSG_CTRUNC, 0);
+}
+
+TEST(FdPassingTest, ConnectSeqpacketReachesAListenerAndSaysWhyNot) {
+  char dir_templ[] = "/tmp/fk-fdpass-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_templ), nullptr);
+  const std::string path = std::string(dir_templ) + "/s";
+  UniqueFd missing = ConnectSeqpacket(path);
+  EXPECT_FALSE(missing.valid());
+  EXPECT_EQ(errno, ENOENT);
+  UniqueFd listener(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener.get(), 1), 0);
+  UniqueFd c = ConnectSeqpacket(path);
+  ASSERT_TRUE(c.valid()) << strerror(errno);
+  EXPECT_EQ(fcntl(c.get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+  UniqueFd too_long = ConnectSeqpacket(std::string(200, 'x'));
+  EXPECT_FALSE(too_long.valid());
+  EXPECT_EQ(errno, ENAMETOOLONG);
+  unlink(path.c_str());
+  rmdir(dir_templ);
 }
 
 }  // namespace

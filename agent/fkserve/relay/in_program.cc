@@ -10,7 +10,6 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "agent/base/fd_passing.h"
 #include "agent/fkserve/fusermount_protocol.h"
 #include "agent/fkserve/relay/durability.h"
 #include "agent/fkserve/relay/fuse_wire.h"
@@ -88,25 +88,6 @@ void Discard(int pipe, size_t len) {
 // that thread, after the mutex is released (see the header).
 thread_local std::vector<std::string>* own_notifications = nullptr;
 
-int Connect(const std::string& path) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    errno = ENAMETOOLONG;
-    return -1;
-  }
-  memcpy(addr.sun_path, path.data(), path.size());
-  const int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (s < 0) return -1;
-  if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const int err = errno;
-    close(s);
-    errno = err;
-    return -1;
-  }
-  return s;
-}
-
 // The kernel copies a request into the reader's buffer page by page; where a page is not mapped
 // yet it faults it in, and a fault with a fatal signal pending fails, and the request with it: the
 // kernel answers the app EIO (fuse_dev_do_read). A program killed with SIGKILL while it reads a
@@ -133,7 +114,7 @@ std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, i
     *why = absl::StrCat("fstat of the connection: ", strerror(errno));
     return nullptr;
   }
-  UniqueFd sock(Connect(service_socket));
+  UniqueFd sock = ConnectSeqpacket(service_socket);
   if (!sock) {
     *why = absl::StrCat("cannot reach the launcher at ", service_socket, ": ", strerror(errno));
     return nullptr;
