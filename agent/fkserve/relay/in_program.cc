@@ -192,7 +192,7 @@ std::unique_ptr<InProgram> InProgram::Claim(const std::string& service_socket, i
   while (true) {
     const ssize_t n = RawRead(p->kernel_.get(), buf.data(), buf.size());
     if (n > 0) {
-      p->core_->FromKernel(buf.data(), static_cast<size_t>(n));
+      p->FromKernel(buf.data(), static_cast<size_t>(n));
       continue;
     }
     if (n < 0 && (errno == EINTR || errno == ENOENT)) continue;
@@ -261,20 +261,24 @@ ssize_t InProgram::Read(void* buf, size_t count) {
       return -1;
     }
     std::lock_guard<std::mutex> lock(mu_);
-    if (static_cast<size_t>(n) >= sizeof(fuse_in_header) &&
-        reinterpret_cast<const fuse_in_header*>(buf)->opcode == FUSE_SETLKW) {
-      lock_waits_.insert(reinterpret_cast<const fuse_in_header*>(buf)->unique);
-    }
     direct_ = static_cast<char*>(buf);
     direct_cap_ = count;
     direct_len_ = 0;
-    core_->FromKernel(static_cast<char*>(buf), static_cast<size_t>(n));
+    FromKernel(static_cast<char*>(buf), static_cast<size_t>(n));
     const size_t got = direct_len_;
     direct_ = nullptr;
     AfterCore();
     if (got > 0) return static_cast<ssize_t>(got);
     // Answered by the core, or held: read on.
   }
+}
+
+void InProgram::FromKernel(char* msg, size_t len) {
+  // A lock wait may last: it does not make the program look stalled (the pulse).
+  if (len >= sizeof(fuse_in_header) && reinterpret_cast<const fuse_in_header*>(msg)->opcode == FUSE_SETLKW) {
+    lock_waits_.insert(reinterpret_cast<const fuse_in_header*>(msg)->unique);
+  }
+  core_->FromKernel(msg, len);
 }
 
 ssize_t InProgram::Write(const iovec* iov, int iovcnt) {

@@ -85,6 +85,7 @@ class InProgram final : public RelayOutput {
  private:
   InProgram() = default;
   ssize_t Pop(void* buf, size_t count);  // mu_ held
+  void FromKernel(char* msg, size_t len);  // mu_ held: a request into the core
   void AfterCore();                       // mu_ held: the launcher's report, the pulse
 
   int program_fd_ = -1;
