@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <deque>
 #include <future>
+#include <optional>
 #include <unordered_set>
 #include <vector>
 
@@ -31,6 +32,15 @@ namespace {
 constexpr int kSocketBufferBytes = 4 << 20;
 // A WRITE of 1 MiB (libfuse3's largest) with its headers: no message needs more.
 constexpr size_t kLargestUsefulMessage = (1 << 20) + 4096;
+
+// Runs fn on the relay's loop thread and waits for what it returns; nullopt (fn not run) once
+// the loop has stopped. Every Relay method but Start and Stop comes through here.
+template <typename F>
+auto OnLoop(Loop& loop, F fn) -> std::optional<decltype(fn())> {
+  std::promise<decltype(fn())> result;
+  if (!loop.Post([&] { result.set_value(fn()); })) return std::nullopt;
+  return result.get_future().get();
+}
 
 void SizeBuffers(int fd) {
   int bytes = kSocketBufferBytes;
@@ -535,15 +545,12 @@ absl::StatusOr<UniqueFd> Relay::NewInstanceSocket() {
   SizeBuffers(sv[1]);
   fcntl(sv[0], F_SETFL, O_NONBLOCK);  // ours only: the program's end stays blocking, like /dev/fuse
   UniqueFd ours(sv[0]), theirs(sv[1]);
-  std::promise<void> attached;
   LoopState* st = state_.get();
-  if (!st->loop->Post([st, fd = std::move(ours), &attached]() mutable {
-        st->Attach(std::move(fd));
-        attached.set_value();
-      })) {
-    return absl::UnavailableError("the relay has stopped");
-  }
-  attached.get_future().wait();
+  const bool attached = OnLoop(*st->loop, [&] {
+                          st->Attach(std::move(ours));
+                          return true;
+                        }).has_value();
+  if (!attached) return absl::UnavailableError("the relay has stopped");
   return theirs;
 }
 
@@ -555,43 +562,34 @@ void Relay::WatchPrograms(ProgramLimits limits) {
   // Late by at most an eighth of the bound (and at most a second); a look costs a few loads.
   const std::chrono::milliseconds tick =
       std::clamp(shortest / 8, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
-  std::promise<void> taken;
   LoopState* st = state_.get();
-  if (!st->loop->Post([st, limits, tick, &taken] {
-        st->limits = limits;
-        st->Watch(tick);
-        taken.set_value();
-      })) {
-    return;
-  }
-  taken.get_future().wait();
+  OnLoop(*st->loop, [&] {
+    st->limits = limits;
+    st->Watch(tick);
+    return true;
+  });
 }
 
 bool Relay::HandOver(UniqueFd* pulse) {
-  std::promise<bool> p;
   LoopState* st = state_.get();
-  if (!st->loop->Post([st, &p, pulse] { p.set_value(st->HandOver(pulse)); })) return false;
-  return p.get_future().get();
+  return OnLoop(*st->loop, [&] { return st->HandOver(pulse); }).value_or(false);
 }
 
 absl::Status Relay::TakeBack() {
-  std::promise<absl::Status> p;
   LoopState* st = state_.get();
-  if (!st->loop->Post([st, &p] { p.set_value(st->TakeBack()); })) return absl::UnavailableError("the relay has stopped");
-  absl::Status s = p.get_future().get();
-  if (s.ok()) {
-    std::promise<int> fd;
-    st->loop->Post([st, &fd] { fd.set_value(st->journal->fd()); });
-    state_fd_ = fd.get_future().get();
-  }
-  return s;
+  // The journal is opened again by the take-back: its fd comes back with the outcome.
+  auto taken = OnLoop(*st->loop, [&] {
+    absl::Status s = st->TakeBack();
+    return std::make_pair(s, st->journal->fd());
+  });
+  if (!taken.has_value()) return absl::UnavailableError("the relay has stopped");
+  if (taken->first.ok()) state_fd_ = taken->second;
+  return taken->first;
 }
 
 RelayStats Relay::Snapshot() {
-  std::promise<RelayStats> p;
   LoopState* st = state_.get();
-  if (!st->loop->Post([st, &p] { p.set_value(st->core->stats()); })) return {};
-  return p.get_future().get();
+  return OnLoop(*st->loop, [&] { return st->core->stats(); }).value_or(RelayStats{});
 }
 
 }  // namespace fusekeeper::relay
