@@ -135,17 +135,27 @@ void Loop::Arm(io_uring_sqe* sqe, Completion* completion) {
   if (stopping_) {
     io_uring_prep_nop(sqe);
     io_uring_sqe_set_data(sqe, nullptr);
-    // Refused once per stop: a callback that arms again whatever it is told would otherwise be
-    // called and re-armed until the stop's bound.
-    if (!refused_once_.insert(completion).second) return;
-    completion->in_flight = true;
-    refused_.push_back(completion);
+    Refuse(completion);
     return;
   }
   completion->in_flight = true;
   io_uring_sqe_set_data(sqe, completion);
   ++in_flight_;
   armed_.insert(completion);
+}
+
+void Loop::Finished(Completion* completion) {
+  completion->in_flight = false;
+  --in_flight_;
+  armed_.erase(completion);
+}
+
+void Loop::Refuse(Completion* completion) {
+  // Refused once per stop: a callback that arms again whatever it is told would otherwise be
+  // called and re-armed until the stop's bound.
+  if (!refused_once_.insert(completion).second) return;
+  completion->in_flight = true;
+  refused_.push_back(completion);
 }
 
 void Loop::Cancel(Completion* completion) {
@@ -199,12 +209,7 @@ absl::Status Loop::SetUpEpoll() {
 void Loop::EpollAdd(Completion* c, int fd, unsigned poll_mask, bool multishot) {
   AssertLoopThread();
   CHECK(!c->in_flight) << "Completion armed twice";
-  if (stopping_) {
-    if (!refused_once_.insert(c).second) return;  // as Arm: refused once per stop
-    c->in_flight = true;
-    refused_.push_back(c);
-    return;
-  }
+  if (stopping_) return Refuse(c);
   c->in_flight = true;
   ++in_flight_;
   armed_.insert(c);
@@ -240,11 +245,6 @@ void Loop::EpollWait(int timeout_ms) {
   const int n = epoll_wait(epoll_fd_.get(), events, 64, timeout_ms);
   busy_since_ns_.store(LoopClock::now().time_since_epoch().count(), std::memory_order_relaxed);
   if (n < 0 && errno != EINTR) LOG(ERROR) << "epoll_wait failed: " << std::strerror(errno);
-  auto finish = [this](Completion* c) {
-    c->in_flight = false;
-    --in_flight_;
-    armed_.erase(c);
-  };
   for (int i = 0; i < n; ++i) {
     const uint64_t id = events[i].data.u64;
     if (id == 0) {
@@ -261,7 +261,7 @@ void Loop::EpollWait(int timeout_ms) {
     const bool more = watches_.at(c).multishot;
     if (!more) {
       EpollForget(c);
-      finish(c);
+      Finished(c);
     }
     // EPOLLIN, EPOLLOUT, EPOLLERR, EPOLLHUP... have poll(2)'s values, as a ring poll's result.
     c->callback(static_cast<int32_t>(events[i].events & ~(EPOLLET | EPOLLONESHOT)), more);
@@ -269,7 +269,7 @@ void Loop::EpollWait(int timeout_ms) {
   std::vector<std::pair<Completion*, int32_t>> ended;
   ended.swap(epoll_ended_);
   for (auto& [c, res] : ended) {
-    finish(c);
+    Finished(c);
     c->callback(res, false);
   }
 }
@@ -403,11 +403,7 @@ void Loop::ReapCompletions() {
   io_uring_cq_advance(&ring_, seen);
   // Callbacks run after the CQ is released, never from inside the reap.
   for (Done& d : batch) {
-    if (!d.more) {
-      d.completion->in_flight = false;
-      --in_flight_;
-      armed_.erase(d.completion);
-    }
+    if (!d.more) Finished(d.completion);
     d.completion->callback(d.res, d.more);
   }
 }

@@ -131,6 +131,10 @@ class Loop {
   void BeginStopping();
   void ArmWakeRead();
   void FinishStopping();
+  // Its last callback is next: no longer in flight.
+  void Finished(Completion* completion);
+  // While stopping: `completion`'s callback runs with -ECANCELED, never submitted (once per stop).
+  void Refuse(Completion* completion);
   // The epoll backend: each PollAdd watches a dup of its fd (so one fd may carry several
   // completions, as on the ring); a multishot one is edge-triggered (news only, as a multishot
   // ring poll), a single-shot one EPOLLONESHOT.
