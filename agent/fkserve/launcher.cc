@@ -459,12 +459,17 @@ int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const Launc
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) return;  // the instance has ended
         buf[n] = '\0';
-        if (strncmp(buf, "log\n", 4) == 0) {
-          fprintf(stderr, "fkserve: (in the program) %s\n", buf + 4);
+        const absl::string_view text(buf, static_cast<size_t>(n));
+        if (absl::StartsWith(text, relay::kLogReport)) {
+          fprintf(stderr, "fkserve: (in the program) %s\n", buf + strlen(relay::kLogReport));
           continue;
         }
         unsigned long long resent = 0, resolved = 0, reopened = 0, failures = 0;
-        if (sscanf(buf, "served\n%llu %llu %llu %llu", &resent, &resolved, &reopened, &failures) != 4) continue;
+        if (!absl::StartsWith(text, relay::kServedReport) ||
+            sscanf(buf + strlen(relay::kServedReport), "%llu %llu %llu %llu", &resent, &resolved, &reopened,
+                   &failures) != 4) {
+          continue;
+        }
         {
           std::lock_guard<std::mutex> lock(ip.mu);
           ip.served = true;

@@ -332,7 +332,7 @@ void InProgram::AfterCore() {
   if (reported_ || core_->stats().program_answers_since_start == 0) return;
   reported_ = true;
   const RelayStats& s = core_->stats();
-  const std::string text = absl::StrCat("served\n", s.resent, " ", s.resolved, " ", s.reopened, " ",
+  const std::string text = absl::StrCat(kServedReport, s.resent, " ", s.resolved, " ", s.reopened, " ",
                                         s.restore_failures, " ", s.writes_replayed, " ", s.files_lost);
   (void)!send(report_.get(), text.data(), text.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
@@ -488,7 +488,7 @@ void InProgram::Log(const std::string& line) {
   // To the launcher, which says it on its own stderr: a program that daemonizes has put
   // /dev/null on its own.
   if (report_.valid()) {
-    const std::string text = absl::StrCat("log\n", line);
+    const std::string text = absl::StrCat(kLogReport, line);
     if (send(report_.get(), text.data(), text.size(), MSG_DONTWAIT | MSG_NOSIGNAL) >= 0) return;
   }
   const std::string text = absl::StrCat("fkserve (in the program): ", line, "\n");

@@ -52,8 +52,12 @@ namespace fusekeeper::relay {
 // The claim's wire (launcher side: launcher.cc). Request: "claim\n<socket inode>\n<read size>".
 // Answer: "ok\n<durability>" with the kernel's connection attached, then "journal" with the
 // journal attached, then "pulse" with the pulse (pulse.h) attached; or a refusal (any other
-// text, no fd). Then from the program: "served\n<what>".
+// text, no fd). Then from the program, one message each: kServedReport followed by "<resent>
+// <resolved> <reopened> <restore failures> <writes replayed> <files lost>" once it has answered a
+// request, and kLogReport followed by a line for every line the core logs.
 inline constexpr char kClaimRequest[] = "claim";
+inline constexpr char kServedReport[] = "served\n";
+inline constexpr char kLogReport[] = "log\n";
 inline constexpr char kRelaySocketEnv[] = "FKSERVE_RELAY_SOCKET";  // the instance's socket inode
 
 class InProgram final : public RelayOutput {
