@@ -7,7 +7,7 @@
 
 namespace fusekeeper {
 
-UniqueFd ConnectSeqpacket(const std::string& path) {
+UniqueFd ConnectSeqpacket(const std::string& path, bool nonblocking) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -15,7 +15,7 @@ UniqueFd ConnectSeqpacket(const std::string& path) {
     return UniqueFd();
   }
   memcpy(addr.sun_path, path.data(), path.size());
-  UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  UniqueFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0));
   if (!s.valid()) return s;
   if (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;

@@ -17,8 +17,9 @@ namespace fusekeeper {
 inline constexpr size_t kMaxPassedFds = 8;
 
 // A SOCK_SEQPACKET socket (close-on-exec) connected to the Unix socket at `path`; invalid with
-// errno set if not (ENAMETOOLONG: a path sun_path cannot hold).
-UniqueFd ConnectSeqpacket(const std::string& path);
+// errno set if not (ENAMETOOLONG: a path sun_path cannot hold). `nonblocking`: the socket is, and
+// a listener whose queue is full refuses at once (EAGAIN) instead of making the caller wait.
+UniqueFd ConnectSeqpacket(const std::string& path, bool nonblocking = false);
 
 // Control space for up to kMaxPassedFds fds, aligned for cmsghdr.
 struct FdControl {

@@ -5,8 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <poll.h>
-#include <pthread.h>
-#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -23,7 +21,6 @@
 #include "absl/strings/strip.h"
 #include "agent/base/unique_fd.h"
 #include "agent/fkserve/fusermount_protocol.h"
-#include "agent/fkserve/stop_signals.h"
 
 namespace fusekeeper {
 namespace {
@@ -70,9 +67,9 @@ OptionVerdict ClassifyMountOptions(const std::vector<std::string>& options, bool
   return v;
 }
 
-std::unique_ptr<FusermountService> FusermountService::Start(const std::string& socket_path, int fuse_fd,
-                                                            bool agent_read_only, std::string* error) {
-  std::unique_ptr<FusermountService> s(new FusermountService());
+std::unique_ptr<FusermountService> FusermountService::Start(Loop& loop, const std::string& socket_path,
+                                                            int fuse_fd, bool agent_read_only, std::string* error) {
+  std::unique_ptr<FusermountService> s(new FusermountService(loop));
   s->agent_read_only_ = agent_read_only;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -81,76 +78,66 @@ std::unique_ptr<FusermountService> FusermountService::Start(const std::string& s
     return nullptr;
   }
   memcpy(addr.sun_path, socket_path.data(), socket_path.size());
-  s->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  s->listen_fd_ = UniqueFd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   const mode_t old = umask(0077);  // the program runs as the launcher's uid: nobody else connects
-  const bool bound = s->listen_fd_ >= 0 && bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  const bool bound =
+      s->listen_fd_.valid() && bind(s->listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   umask(old);
-  if (!bound || listen(s->listen_fd_, 8) != 0 || pipe2(s->stop_, O_CLOEXEC) != 0) {
+  if (!bound || listen(s->listen_fd_.get(), 8) != 0) {
     *error = absl::StrCat("cannot listen on ", socket_path, ": ", strerror(errno));
     return nullptr;
   }
-  s->fuse_fd_ = fcntl(fuse_fd, F_DUPFD_CLOEXEC, 3);
-  // Stop signals are for the launcher's main thread (they interrupt its wait).
-  s->thread_ = StartWithoutStopSignals([raw = s.get()] { raw->Run(); });
+  s->fuse_fd_ = UniqueFd(fcntl(fuse_fd, F_DUPFD_CLOEXEC, 3));
+  s->listening_ = std::make_unique<PollWatch>(loop, s->listen_fd_.get(), POLLIN, /*multishot=*/true,
+                                              [raw = s.get()](int res) {
+                                                if (res > 0) raw->Accept();
+                                              });
   return s;
 }
 
 FusermountService::~FusermountService() {
-  if (stop_[1] >= 0) (void)!write(stop_[1], "x", 1);
-  if (thread_.joinable()) thread_.join();
-  for (int fd : {listen_fd_, fuse_fd_, stop_[0], stop_[1]}) {
-    if (fd >= 0) close(fd);
-  }
-}
-
-std::vector<std::string> FusermountService::problems() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return problems_;
+  for (auto& [fd, client] : clients_) loop_.CancelTimer(client.timeout);
 }
 
 void FusermountService::OnProblem(std::function<void(const std::string&)> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
   on_problem_ = std::move(fn);
   if (!on_problem_) return;
   for (const auto& p : problems_) on_problem_(p);
 }
 
 void FusermountService::AddProblem(const std::string& p) {
-  std::lock_guard<std::mutex> lock(mu_);
   if (problems_.size() < 8) problems_.push_back(p);
   if (on_problem_) on_problem_(p);
 }
 
-void FusermountService::OnClaim(ClaimHandler fn) {
-  std::lock_guard<std::mutex> lock(mu_);
-  on_claim_ = std::move(fn);
-}
-
-bool FusermountService::handed() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return handed_;
-}
-
-void FusermountService::Run() {
+void FusermountService::Accept() {
   while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_[0], POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    UniqueFd conn(accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC));
-    if (conn) Answer(conn.get());
+    UniqueFd conn(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!conn.valid()) return;  // EAGAIN: all taken (an error: the next connection tries again)
+    const int fd = conn.get();
+    Client& c = clients_[fd];
+    c.fd = std::move(conn);
+    // A bounded wait for the request: a client that connects and says nothing is dropped.
+    c.timeout = loop_.AddTimer(std::chrono::seconds(5), [this, fd] { Drop(fd); });
+    c.watch = std::make_unique<PollWatch>(loop_, fd, POLLIN, /*multishot=*/false, [this, fd](int res) {
+      if (res > 0) Answer(fd);
+      Drop(fd);
+    });
   }
+}
+
+void FusermountService::Drop(int conn) {
+  auto it = clients_.find(conn);
+  if (it == clients_.end()) return;
+  loop_.CancelTimer(it->second.timeout);
+  clients_.erase(it);  // its watch with it (it may be the one running: PollWatch allows that)
 }
 
 void FusermountService::Answer(int conn) {
   // A bounded wait for the request: a client that connects and says nothing is dropped.
-  pollfd pfd{conn, POLLIN, 0};
   std::string request;
   int ignored = -1;
-  if (poll(&pfd, 1, 5000) != 1 || !ReceiveWithFd(conn, &request, &ignored)) return;
+  if (!ReceiveWithFd(conn, &request, &ignored)) return;
   if (ignored >= 0) close(ignored);
   std::vector<std::string> lines = absl::StrSplit(request, absl::MaxSplits('\n', 2));
   auto refuse = [&](const std::string& why) {
@@ -159,24 +146,15 @@ void FusermountService::Answer(int conn) {
     SendWithFd(conn, why, -1);
   };
   if (lines.size() == 3 && lines[0] == "claim") {
-    ClaimHandler claim;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      claim = on_claim_;
-    }
-    if (!claim) {
+    if (!on_claim_) {
       SendWithFd(conn, "refused: this launcher relays the connection itself", -1);
       return;
     }
-    return claim(conn, lines[1], lines[2]);
+    return on_claim_(conn, lines[1], lines[2]);
   }
   if (lines.size() != 3 || lines[0] != "mount") return refuse("a request that is not fkserve's fusermount's");
-  bool second = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    second = handed_;
-    handed_ = true;
-  }
+  const bool second = handed_;
+  handed_ = true;
   if (second) {
     return refuse(absl::StrCat("a second mount (of ", lines[1],
                                ") is refused: this volume's connection was handed over already"));
@@ -190,7 +168,7 @@ void FusermountService::Answer(int conn) {
     AddProblem(absl::StrCat("options not applied: ", absl::StrJoin(verdict.not_applied, ", ")));
   }
   fprintf(stderr, "fkserve: fusermount: %s\n", line.c_str());
-  SendWithFd(conn, line, fuse_fd_);
+  SendWithFd(conn, line, fuse_fd_.get());
 }
 
 }  // namespace fusekeeper

@@ -17,13 +17,15 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "agent/base/unique_fd.h"
 #include "agent/fkserve/fusermount_protocol.h"
+#include "agent/loop/loop.h"
+#include "agent/loop/poll_watch.h"
 
 namespace fusekeeper {
 
@@ -35,42 +37,49 @@ struct OptionVerdict {
 // `options`: the comma-separated -o argument(s). `agent_read_only`: how the agent mounted.
 OptionVerdict ClassifyMountOptions(const std::vector<std::string>& options, bool agent_read_only);
 
-// The launcher's side: answers fusermount requests on a socket of its own, on a thread of its
-// own, until destroyed. It hands the connection over once (a second mount is refused), and
-// prints and keeps what it reports.
+// The launcher's side: answers fusermount requests on a socket of its own, on the launcher's loop,
+// until destroyed. It hands the connection over once (a second mount is refused), and prints and
+// keeps what it reports. Every method on the loop's thread (or before the loop runs).
 class FusermountService {
  public:
   // `socket_path`: a path in the launcher's private directory; `fuse_fd`: the connection (a dup
-  // is kept); `agent_read_only`: how the agent mounted it. Blocking (bind/listen).
-  static std::unique_ptr<FusermountService> Start(const std::string& socket_path, int fuse_fd, bool agent_read_only,
-                                                  std::string* error);
+  // is kept); `agent_read_only`: how the agent mounted it. Binds and listens now.
+  static std::unique_ptr<FusermountService> Start(Loop& loop, const std::string& socket_path, int fuse_fd,
+                                                  bool agent_read_only, std::string* error);
   ~FusermountService();
   // What was refused or not applied (for the report to the agent).
-  std::vector<std::string> problems();
+  const std::vector<std::string>& problems() const { return problems_; }
   // Whether the connection was handed to a fusermount.
-  bool handed();
-  // `fn` gets every problem (those so far at once, later ones as they happen), on the service's
-  // thread or the caller's.
+  bool handed() const { return handed_; }
+  // `fn` gets every problem: those so far at once, later ones as they happen.
   void OnProblem(std::function<void(const std::string&)> fn);
   // The program's preload library claims the kernel's connection (relay/in_program.h): `fn`
-  // gets the request's socket (to answer, and keep) and its two lines (socket inode, read
-  // size), on the service's thread. Without one, claims are refused. Before the program starts.
+  // gets the request's socket (to answer, and keep: a dup) and its two lines (socket inode, read
+  // size). Without one, claims are refused. Before the program starts.
   using ClaimHandler = std::function<void(int conn, const std::string& inode, const std::string& read_size)>;
-  void OnClaim(ClaimHandler fn);
+  void OnClaim(ClaimHandler fn) { on_claim_ = std::move(fn); }
 
  private:
-  FusermountService() = default;
-  void Run();
+  // A client that connected: answered when its request comes, dropped if none comes in time.
+  struct Client {
+    UniqueFd fd;
+    std::unique_ptr<PollWatch> watch;
+    TimerId timeout = 0;
+  };
+  explicit FusermountService(Loop& loop) : loop_(loop) {}
+  void Accept();
   void Answer(int conn);
-  int listen_fd_ = -1, fuse_fd_ = -1, stop_[2] = {-1, -1};
-  bool agent_read_only_ = false;
-  std::mutex mu_;
-  bool handed_ = false;                 // guarded by mu_
-  std::vector<std::string> problems_;   // guarded by mu_
-  std::function<void(const std::string&)> on_problem_;  // guarded by mu_
-  ClaimHandler on_claim_;                               // guarded by mu_
+  void Drop(int conn);
   void AddProblem(const std::string& p);
-  std::thread thread_;
+  Loop& loop_;
+  UniqueFd listen_fd_, fuse_fd_;
+  std::unique_ptr<PollWatch> listening_;
+  std::map<int, Client> clients_;
+  bool agent_read_only_ = false;
+  bool handed_ = false;
+  std::vector<std::string> problems_;
+  std::function<void(const std::string&)> on_problem_;
+  ClaimHandler on_claim_;
 };
 
 }  // namespace fusekeeper

@@ -21,8 +21,8 @@ namespace fusekeeper {
 
 std::string ServerName() { return absl::StrCat("fkserve ", kVersion); }
 
-absl::StatusOr<UniqueFd> TryConnectToAgent(const std::string& path, uid_t agent_uid) {
-  UniqueFd sock = ConnectSeqpacket(path);
+absl::StatusOr<UniqueFd> TryConnectToAgent(const std::string& path, uid_t agent_uid, bool nonblocking) {
+  UniqueFd sock = ConnectSeqpacket(path, nonblocking);
   if (!sock.valid()) {
     const int err = errno;
     if (err == ENAMETOOLONG) {
@@ -32,7 +32,7 @@ absl::StatusOr<UniqueFd> TryConnectToAgent(const std::string& path, uid_t agent_
     const std::string why = absl::StrCat("cannot connect to ", path, ": ", strerror(err));
     if (err == ENOENT) return absl::NotFoundError(why);
     // EACCES too: the agent makes the socket, then gives it to the server's user (chown).
-    if (err == ECONNREFUSED || err == EACCES) return absl::UnavailableError(why);
+    if (err == ECONNREFUSED || err == EACCES || err == EAGAIN) return absl::UnavailableError(why);
     return absl::InternalError(why);
   }
   ucred cred{};

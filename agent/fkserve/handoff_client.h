@@ -24,7 +24,8 @@ std::string ServerName();
 // errno-like code is kept in the status: NOT_FOUND (no socket yet), UNAVAILABLE (nobody listens
 // yet: ECONNREFUSED, or EACCES before the agent has given the socket to the server's user),
 // PERMISSION_DENIED (the peer is not the agent), INVALID_ARGUMENT (a path too long).
-absl::StatusOr<UniqueFd> TryConnectToAgent(const std::string& path, uid_t agent_uid);
+// `nonblocking`: for a loop (ConnectSeqpacket); a full listen queue is UNAVAILABLE.
+absl::StatusOr<UniqueFd> TryConnectToAgent(const std::string& path, uid_t agent_uid, bool nonblocking = false);
 
 // Until the socket is there and listened on, or `wait` is up: woken by its directory changing
 // (inotify), and once a second in any case (a socket re-bound in place). `waiting` is told once

@@ -1,182 +1,33 @@
 #include "agent/fkserve/launcher.h"
 
-#include <dirent.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
-#include <memory>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <mutex>
-#include <set>
-#include <thread>
+#include <memory>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "agent/fkserve/agent_link.h"
-#include "agent/fkserve/fusermount.h"
 #include "agent/fkserve/fusermount_protocol.h"
+#include "agent/fkserve/program_instance.h"
 #include "agent/fkserve/relay/in_program.h"
 #include "agent/fkserve/relay/relay.h"
-#include "agent/fuse/handoff_protocol.h"
 #include "agent/fkserve/stop_signals.h"
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/loop/loop.h"
+#include "agent/loop/signals.h"
 
 namespace fusekeeper {
-namespace {
-
-volatile sig_atomic_t pending_stop_signal = 0;
-// A stop signal was passed on to the program: its end is not a crash to restart from.
-bool stop_requested = false;
-void RecordStopSignal(int sig) { pending_stop_signal = sig; }
-
-
-// A pid as /proc shows it, as this process's pid namespace numbers it: the last NSpid entry. (A
-// /proc mounted for another pid namespace, e.g. an outer one, numbers processes its own way.)
-pid_t InOurNamespace(pid_t proc_pid) {
-  FILE* f = fopen(absl::StrCat("/proc/", proc_pid, "/status").c_str(), "re");
-  if (f == nullptr) return -1;
-  char line[512];
-  pid_t last = -1;
-  while (fgets(line, sizeof(line), f) != nullptr) {
-    if (strncmp(line, "NSpid:", 6) != 0) continue;
-    for (char* p = line + 6; *p != '\0';) {
-      char* end = nullptr;
-      const long v = strtol(p, &end, 10);
-      if (end == p) break;
-      last = static_cast<pid_t>(v);
-      p = end;
-    }
-  }
-  fclose(f);
-  return last;
-}
-
-// The launcher's children: the program, and (as a subreaper) whatever it left running.
-std::set<pid_t> Children() {
-  std::set<pid_t> out;
-  DIR* tasks = opendir("/proc/self/task");
-  if (tasks == nullptr) return out;
-  while (dirent* t = readdir(tasks)) {
-    if (t->d_name[0] == '.') continue;
-    FILE* f = fopen(absl::StrCat("/proc/self/task/", t->d_name, "/children").c_str(), "re");
-    if (f == nullptr) continue;
-    int pid;
-    while (fscanf(f, "%d", &pid) == 1) {
-      if (const pid_t ours = InOurNamespace(pid); ours > 0) out.insert(ours);
-    }
-    fclose(f);
-  }
-  closedir(tasks);
-  return out;
-}
-
-std::string Describe(int status) {
-  return WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status))
-                           : absl::StrCat("was killed by signal ", WTERMSIG(status));
-}
-
-// The private directory: the program's mount point, the fusermount links, the launcher's socket.
-struct PrivateDir {
-  std::string dir, mountpoint, bin, socket;
-  ~PrivateDir() {
-    if (dir.empty()) return;
-    for (const char* name : {"fusermount", "fusermount3"}) unlink(absl::StrCat(bin, "/", name).c_str());
-    rmdir(bin.c_str());
-    unlink(socket.c_str());
-    rmdir(mountpoint.c_str());
-    rmdir(dir.c_str());
-  }
-};
-
-bool MakePrivateDir(const LaunchOptions& o, PrivateDir* d, std::string* error) {
-  std::vector<std::string> tried;
-  for (const std::string& where : o.work_dirs) {
-    if (where.empty()) continue;
-    std::string templ = absl::StrCat(where, "/fkserve-XXXXXX");
-    if (mkdtemp(templ.data()) != nullptr) {
-      d->dir = templ;
-      break;
-    }
-    tried.push_back(absl::StrCat(where, " (", strerror(errno), ")"));
-  }
-  if (d->dir.empty()) {
-    *error = absl::StrCat("cannot make a private directory in any of: ", absl::StrJoin(tried, ", "));
-    return false;
-  }
-  chmod(d->dir.c_str(), 0711);  // the program may run its helpers under other uids
-  d->mountpoint = d->dir + "/mnt";
-  d->bin = d->dir + "/bin";
-  d->socket = d->dir + "/fusermount.sock";
-  if (mkdir(d->mountpoint.c_str(), 0755) != 0 || mkdir(d->bin.c_str(), 0755) != 0) {
-    *error = absl::StrCat("cannot make ", d->mountpoint, ": ", strerror(errno));
-    return false;
-  }
-  for (const char* name : {"fusermount", "fusermount3"}) {
-    const std::string link = absl::StrCat(d->bin, "/", name);
-    if (symlink(o.fusermount.c_str(), link.c_str()) != 0) {
-      *error = absl::StrCat("cannot link ", link, " to ", o.fusermount, ": ", strerror(errno));
-      return false;
-    }
-  }
-  return true;
-}
-
-// The program's stderr (and its descendants'), passed through to ours; the last lines are kept
-// for the report to the agent, so that its Event says why a program stopped.
-class StderrTail {
- public:
-  explicit StderrTail(int fd) : fd_(fd), thread_(StartWithoutStopSignals([this] { Run(); })) {}
-  ~StderrTail() {
-    if (thread_.joinable()) thread_.join();
-  }
-  // Waits for the end of the stream (every process that held it has ended), then the last lines.
-  std::string Last() {
-    if (thread_.joinable()) thread_.join();
-    return absl::StrJoin(lines_, " | ");
-  }
-
- private:
-  static constexpr size_t kLines = 4, kLineBytes = 200;
-  void Run() {
-    std::string pending;
-    char buf[4096];
-    while (true) {
-      ssize_t n = read(fd_.get(), buf, sizeof(buf));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      (void)!write(STDERR_FILENO, buf, static_cast<size_t>(n));
-      pending.append(buf, static_cast<size_t>(n));
-      for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
-        Keep(pending.substr(0, nl));
-        pending.erase(0, nl + 1);
-      }
-      if (pending.size() > 4 * kLineBytes) pending.erase(0, pending.size() - kLineBytes);
-    }
-    Keep(pending);
-  }
-  void Keep(const std::string& line) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) return;
-    lines_.push_back(line.substr(0, kLineBytes));
-    if (lines_.size() > kLines) lines_.erase(lines_.begin());
-  }
-  UniqueFd fd_;
-  std::vector<std::string> lines_;
-  std::thread thread_;
-};
-
-}  // namespace
 
 absl::Status CheckDurability(const std::string& durability) {
   if (durability == "auto" || relay::ParseDurability(durability).has_value()) return absl::OkStatus();
@@ -202,163 +53,6 @@ std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& progr
 
 namespace {
 
-// One instance of the program: its processes, the fusermount that hands it the connection (a
-// second mount is refused, so each instance gets its own), and its stderr.
-struct Instance {
-  pid_t child = -1;
-  std::unique_ptr<FusermountService> service;
-  std::unique_ptr<StderrTail> tail;
-  std::chrono::steady_clock::time_point started;
-};
-
-// Starts the program on `conn` (the connection, or the relay's socket for it: `relayed`).
-// Blocking until exec has worked or failed; false with *error if it could not start.
-// `claim`: relayed, what answers the preload library's claim of the kernel's connection
-// (relay/in_program.h); none: the program stays on the launcher's hop.
-bool Spawn(const LaunchOptions& o, const PrivateDir& dir, int conn, bool relayed, Instance* inst, std::string* error,
-           FusermountService::ClaimHandler claim = nullptr) {
-  unlink(dir.socket.c_str());  // an earlier instance's
-  inst->service = FusermountService::Start(dir.socket, conn, o.read_only, error);
-  if (!inst->service) return false;
-  const bool in_program = claim != nullptr;
-  inst->service->OnClaim(std::move(claim));
-  struct stat conn_st{};
-  fstat(conn, &conn_st);
-  // The program also inherits the connection as a plain (non close-on-exec) fd: /dev/fd/{fd},
-  // and the preload library's stand-in for a missing /dev/fuse.
-  const int inherit = fcntl(conn, F_DUPFD, 3);
-  if (inherit < 0) {
-    *error = absl::StrCat("dup: ", strerror(errno));
-    return false;
-  }
-  const std::vector<std::string> args = ExpandProgramArgs(o.program, inherit, dir.mountpoint);
-  // Learn whether exec worked through a close-on-exec pipe: it closes on success.
-  int p[2];
-  int err_pipe[2];
-  if (pipe2(p, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
-    close(inherit);
-    *error = absl::StrCat("pipe: ", strerror(errno));
-    return false;
-  }
-  const pid_t child = fork();
-  if (child < 0) {
-    *error = absl::StrCat("fork: ", strerror(errno));
-    for (int fd : {inherit, p[0], p[1], err_pipe[0], err_pipe[1]}) close(fd);
-    return false;
-  }
-  if (child == 0) {
-    close(p[0]);
-    dup2(err_pipe[1], STDERR_FILENO);
-    const char* path = getenv("PATH");
-    setenv("PATH", absl::StrCat(dir.bin, ":", path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin").c_str(), 1);
-    setenv(kFuseFdEnv, std::to_string(inherit).c_str(), 1);
-    setenv(kServiceSocketEnv, dir.socket.c_str(), 1);
-    setenv(kFusermountEnv, absl::StrCat(dir.bin, "/fusermount3").c_str(), 1);
-    if (in_program) {
-      // The preload library claims the kernel's connection at the first read of this socket.
-      setenv(relay::kRelaySocketEnv, std::to_string(conn_st.st_ino).c_str(), 1);
-    } else {
-      unsetenv(relay::kRelaySocketEnv);
-    }
-    // A program given /dev/fd/{fd} mounts nothing: it needs no fusermount, but relayed it takes
-    // the relay's core, or on the hop the library's splice of a reply into the socket as one
-    // message (without it fuse-overlayfs's spliced READ replies reached the relay in pieces: 0.02
-    // of direct). A sanitized program must load its runtime first: ASan is told the preload
-    // library comes before it.
-    bool given_fd = false;
-    for (const std::string& a : o.program) given_fd = given_fd || a.find("{fd}") != std::string::npos;
-    if (given_fd && relayed) {
-      const char* asan = getenv("ASAN_OPTIONS");
-      setenv("ASAN_OPTIONS", absl::StrCat(asan != nullptr && asan[0] ? absl::StrCat(asan, ":") : "",
-                                          "verify_asan_link_order=0").c_str(), 1);
-    }
-    if (!o.preload.empty() && (!given_fd || relayed)) {
-      const char* old = getenv("LD_PRELOAD");
-      setenv("LD_PRELOAD", old != nullptr && old[0] ? absl::StrCat(o.preload, ":", old).c_str() : o.preload.c_str(), 1);
-    }
-    // No setuid binary gains anything from here on (the system's setuid fusermount3 among them;
-    // ntfs-3g is setuid root on Debian): they run as the launcher's uid, and take the preload
-    // library like any other program. A container with allowPrivilegeEscalation: false has this
-    // already.
-    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-    // It ends with the launcher (as in a container, where the launcher is its PID 1): the next
-    // launcher starts its own instance.
-    prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
-    for (int sig : kStopSignals) signal(sig, SIG_DFL);
-    std::vector<char*> argv;
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
-    int err = errno;
-    (void)!write(p[1], &err, sizeof(err));
-    _exit(127);
-  }
-  close(p[1]);
-  close(err_pipe[1]);
-  close(inherit);
-  inst->child = child;
-  inst->started = std::chrono::steady_clock::now();
-  inst->tail = std::make_unique<StderrTail>(err_pipe[0]);
-  int exec_errno = 0;
-  ssize_t n;
-  do {
-    n = read(p[0], &exec_errno, sizeof(exec_errno));
-  } while (n < 0 && errno == EINTR);
-  close(p[0]);
-  if (n == sizeof(exec_errno)) {
-    waitpid(child, nullptr, 0);
-    *error = absl::StrCat("could not start ", o.program[0], ": ", strerror(exec_errno));
-    return false;
-  }
-  return true;
-}
-
-// How an instance ended: its name and status; for a daemonizing program, its last process's.
-struct Ending {
-  std::string why;
-  int status = 0;  // the wait status that stands for the whole
-};
-
-// Blocking: until the last of the instance's processes has ended, passing stop signals on.
-Ending WaitForInstance(const std::string& name, pid_t child) {
-  int program_status = 0, last_status = 0;
-  pid_t last_pid = child;
-  bool program_done = false;
-  int reaped = 0;
-  while (true) {
-    if (const int sig = pending_stop_signal; sig != 0) {
-      pending_stop_signal = 0;
-      stop_requested = true;
-      for (pid_t pid : Children()) kill(pid, sig);
-    }
-    int status = 0;
-    pid_t pid = waitpid(-1, &status, 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      break;  // ECHILD: nothing of the program is left
-    }
-    ++reaped;
-    last_pid = pid;
-    last_status = status;
-    if (pid == child) {
-      program_done = true;
-      program_status = status;
-      if (!Children().empty()) {
-        fprintf(stderr, "fkserve: %s %s and left %zu process(es) running: following them\n", name.c_str(),
-                Describe(status).c_str(), Children().size());
-      }
-    }
-  }
-  Ending e;
-  e.why = absl::StrCat(name, " ", Describe(program_done && reaped == 1 ? program_status : last_status));
-  if (reaped > 1) {
-    e.why = absl::StrCat(name, " ", Describe(program_status), "; its last process (pid ", last_pid, ") ",
-                         Describe(last_status));
-  }
-  e.status = reaped > 1 ? last_status : program_status;
-  return e;
-}
-
 // Bounded backoff between restarts: the first at once (a crash costs no more than a start), then
 // 100 ms doubling to 5 s while the program keeps dying young.
 std::chrono::milliseconds RestartDelay(int young_deaths) {
@@ -367,331 +61,425 @@ std::chrono::milliseconds RestartDelay(int young_deaths) {
                   std::chrono::milliseconds(5000));
 }
 
-// Blocking; false if a stop signal came first.
-bool SleepUnlessStopped(std::chrono::milliseconds d) {
-  timespec left{static_cast<time_t>(d.count() / 1000), static_cast<long>(d.count() % 1000) * 1000000};
-  while (nanosleep(&left, &left) != 0 && errno == EINTR) {
-    if (pending_stop_signal != 0) return false;
-  }
-  return pending_stop_signal == 0;
-}
+// The launcher on its loop: every event (a signal, a process's end, the program's stderr, a
+// claim, the agent's connection, the relay's) is a method here, on one thread.
+class Launcher {
+ public:
+  Launcher(Loop& loop, const LaunchOptions& o, UniqueFd sock, UniqueFd fuse_fd)
+      : loop_(loop), o_(o), name_(o.program[0]), sock_(std::move(sock)), fuse_fd_(std::move(fuse_fd)) {}
 
-}  // namespace
+  // Sets up the relay (carrying on from `relay_state` if valid) and the first instance; then the
+  // loop runs until the launcher is done. Returns fkserve's exit status.
+  int Run(UniqueFd relay_state);
 
-int Launch(UniqueFd sock_fd, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& o) {
-  const int sock = sock_fd.get();
-  auto fail = [sock](int code, const std::string& why) {
-    ReplyToAgent(sock, false, why);
+ private:
+  int Fail(int code, const std::string& why) {
+    ReplyToAgent(sock_.get(), false, why);
     fprintf(stderr, "fkserve: %s\n", why.c_str());
     return code;
+  }
+  absl::Status StartRelay(UniqueFd relay_state);
+  relay::RelayCallbacks RelayCallbacks();
+  // The socket (or, direct, the connection) for the next instance; -1 if the relay has none.
+  int ConnectionForInstance();
+  bool Spawn(std::string* error);
+  void OnExec(const std::string& error);
+  void OnSignal(int sig);
+  // Passes a stop signal on to every process of the program; with none running, ends now.
+  void Stop(int sig);
+  void OnClaim(int conn, const std::string& inode);
+  void OnReport(const std::string& text, std::chrono::steady_clock::time_point started);
+  void NoticeRestart(std::chrono::nanoseconds took, uint64_t resent, uint64_t resolved, uint64_t reopened,
+                     uint64_t failures);
+  void OnProgramUnresponsive(const std::string& why, bool initialized);
+  // The instance has ended (or could not start): restart it, or end.
+  void InstanceEnded();
+  void Restart();
+  // Ends the launcher with `why` as its report (after the loop has returned).
+  void Finish();
+
+  Loop& loop_;
+  const LaunchOptions& o_;
+  const std::string name_;
+  UniqueFd sock_;  // the handoff connection, until the link takes it
+  UniqueFd fuse_fd_;
+  PrivateDir dir_;
+  std::unique_ptr<relay::Relay> relay_;
+  std::unique_ptr<AgentLink> link_;
+  std::unique_ptr<SignalWatcher> signals_;
+  std::unique_ptr<ProgramInstance> inst_;  // none while a restart waits, or could not start
+  UniqueFd instance_socket_;               // relayed: the current instance's end (until it starts)
+  std::string adopted_;  // relayed, carrying on from a dead launcher: what was restored (else "")
+  std::string last_death_, killed_because_;
+  bool stop_requested_ = false, connection_ended_ = false, finished_ = false;
+  int restarts_ = 0, young_deaths_ = 0, silent_deaths_ = 0;
+  std::chrono::steady_clock::time_point last_start_;
+  TimerId restart_timer_ = 0, grace_timer_ = 0;
+  // How the last instance ended (or why a restart could not start one).
+  std::string end_why_;
+  int end_status_ = 0;
+  // The relay's core in the program (relay/in_program.h): the current instance's socket, whether
+  // its preload library claimed the kernel's connection, and whether it has served since.
+  ino_t socket_ino_ = 0;
+  bool claimed_ = false, served_ = false;
+  int exit_code_ = 0;
+  std::string final_why_;
+};
+
+absl::Status Launcher::StartRelay(UniqueFd relay_state) {
+  const bool adopting = relay_state.valid();
+  // When the program makes a change durable decides what its death may cost (durability.h).
+  const relay::Durability durability = ResolveDurability(o_);
+  fprintf(stderr, "fkserve: %s stores changes at %s%s\n", name_.c_str(), relay::DurabilityName(durability),
+          o_.durability.empty() || o_.durability == "auto" ? " (assumed from the program's name)" : "");
+  auto r = relay::Relay::Start(fuse_fd_.get(), RelayCallbacks(), std::move(relay_state), durability, &loop_);
+  if (!r.ok() && adopting) {
+    // The state the dead launcher left cannot be carried on from: a fresh connection (the
+    // agent mounts one and re-binds every pod target; open files are lost, as with --direct).
+    fprintf(stderr, "fkserve: cannot carry on from the previous launcher's relay state (%s); asking for a fresh "
+            "connection\n", std::string(r.status().message()).c_str());
+    ReplyToAgent(sock_.get(), false, absl::StrCat("cannot carry on from the relay state: ", r.status().message()),
+                 /*fresh=*/true);
+    auto msg = ReceiveHandoffMessage(sock_.get());
+    if (!msg.ok()) return absl::UnavailableError(absl::StrCat("receiving a fresh connection: ", msg.status().message()));
+    auto config = DecodeMountConfig(msg->payload);
+    if (!config.ok() || config->live || !msg->fd.valid()) {
+      return absl::UnavailableError("the agent did not send a fresh connection after one was asked for");
+    }
+    fuse_fd_ = std::move(msg->fd);
+    r = relay::Relay::Start(fuse_fd_.get(), RelayCallbacks(), UniqueFd(), durability, &loop_);
+  } else if (r.ok() && adopting) {
+    adopted_ = absl::StrCat("the launcher before this one ended, carrying on from its relay state (",
+                            (*r)->restored_nodes(), " node(s), ", (*r)->restored_handles(), " open handle(s))");
+    fprintf(stderr, "fkserve: %s\n", adopted_.c_str());
+  }
+  if (!r.ok()) return absl::InternalError(absl::StrCat("cannot relay the connection: ", r.status().message()));
+  relay_ = std::move(*r);
+  // An instance that never answers FUSE_INIT, or stops answering, is killed
+  // (OnProgramUnresponsive).
+  relay_->WatchPrograms({.init_timeout = o_.init_timeout, .stall = o_.program_stall});
+  return absl::OkStatus();
+}
+
+relay::RelayCallbacks Launcher::RelayCallbacks() {
+  relay::RelayCallbacks cb;
+  cb.log = [](const std::string& line) { fprintf(stderr, "fkserve: %s\n", line.c_str()); };
+  cb.connection_ended = [this] {
+    // The program's socket is closed (it reads end-of-file, as from an unmounted device); one
+    // that does not stop by itself is asked to after a grace.
+    connection_ended_ = true;
+    if (grace_timer_ != 0) return;
+    grace_timer_ = loop_.AddTimer(std::chrono::seconds(2), [] {
+      for (pid_t pid : Children()) kill(pid, SIGTERM);
+    });
   };
-  if (o.program.empty()) return fail(2, "launch: no program given (fkserve launch -- <program> [args])");
-  const std::string name = o.program[0];
-  PrivateDir dir;
+  cb.first_answer = [this](std::chrono::nanoseconds took, const relay::RelayStats& st) {
+    NoticeRestart(took, st.resent, st.resolved, st.reopened, st.restore_failures);
+  };
+  cb.program_unresponsive = [this](const std::string& why, bool initialized) { OnProgramUnresponsive(why, initialized); };
+  return cb;
+}
+
+int Launcher::Run(UniqueFd relay_state) {
   std::string error;
-  if (!MakePrivateDir(o, &dir, &error)) return fail(5, error);
-  // Without SA_RESTART: the wait is interrupted, and the launcher passes the signal on. (The
-  // program resets them before exec.)
-  HandleStopSignals(RecordStopSignal, /*restart=*/false);
+  if (!MakePrivateDir(o_, &dir_, &error)) return Fail(5, error);
   // Orphans the program leaves (a daemonizing program's real server) become our children.
   if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
     fprintf(stderr, "fkserve: cannot become a child subreaper (%s): a daemonizing program is not followed\n",
             strerror(errno));
   }
+  auto watcher = SignalWatcher::Create(loop_, {SIGCHLD, SIGTERM, SIGINT, SIGHUP}, [this](int sig) { OnSignal(sig); });
+  if (!watcher.ok()) return Fail(5, std::string(watcher.status().message()));
+  signals_ = std::move(*watcher);
   // Relayed (the default), the launcher keeps the kernel's connection and each instance of the
   // program gets a socket of its own; direct, the program gets the connection itself.
-  AgentLink* link_for_callbacks = nullptr;
-  std::mutex link_mu;
-  std::string last_death;  // guarded by link_mu
-  std::string killed_because;  // the relay found the instance not answering (guarded by link_mu)
-  std::atomic<bool> connection_ended{false};
-  std::string adopted;  // relayed, carrying on from a dead launcher: what was restored (else "")
-  std::unique_ptr<relay::Relay> relay;
-  std::atomic<int> restarts{0};  // instances started after the first
-  // A new instance serves: the agent hears it (an Event, and the recovery's metrics).
-  auto notice_restart = [&, name](std::chrono::nanoseconds took, uint64_t resent, uint64_t resolved,
-                                  uint64_t reopened, uint64_t failures) {
-    const int n = restarts.load();
-    if (n == 0 && adopted.empty()) return;
-    std::lock_guard<std::mutex> lock(link_mu);
-    const std::string text = absl::StrCat(
-        "relay: ", name, " restarted (", n + (adopted.empty() ? 0 : 1), " restart(s) so far) after ",
-        n == 0 ? adopted : absl::StrCat("it ", last_death), "; serving again ",
-        std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
-        " ms after its start, with the connection kept: ", resent, " request(s) resent, ", resolved,
-        " node(s) looked up again, ", reopened, " handle(s) reopened, ", failures,
-        " request(s) that could not be restored so far");
-    fprintf(stderr, "fkserve: %s\n", text.c_str());
-    if (link_for_callbacks != nullptr) {
-      link_for_callbacks->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
-    }
-  };
-  // The relay's core in the program (relay/in_program.h): the current instance's socket, whether
-  // its preload library claimed the kernel's connection, and whether it has served since.
-  struct InProgramState {
-    std::mutex mu;
-    ino_t socket_ino = 0;
-    std::chrono::steady_clock::time_point started;
-    bool claimed = false;
-    bool served = false;
-    std::vector<std::thread> readers;  // one per claim: the instance's reports, until it ends
-  } ip;
-  auto claim = [&, name](int conn, const std::string& inode, const std::string&) {
-    std::lock_guard<std::mutex> lock(ip.mu);
-    if (relay == nullptr || inode != std::to_string(ip.socket_ino) || ip.claimed) {
-      SendWithFd(conn, "refused: not the current instance's connection", -1);
-      return;
-    }
-    UniqueFd pulse;
-    if (!relay->HandOver(&pulse)) {
-      SendWithFd(conn, "refused: the instance has talked to the relay already", -1);
-      return;
-    }
-    ip.claimed = true;
-    SendWithFd(conn, absl::StrCat("ok\n", relay::DurabilityName(relay->durability())), fuse_fd.get());
-    SendWithFd(conn, "journal", relay->state_fd());
-    SendWithFd(conn, "pulse", pulse.get());
-    fprintf(stderr, "fkserve: %s reads the kernel's connection itself, the relay's core in it\n", name.c_str());
-    ip.readers.emplace_back([&, report = UniqueFd(fcntl(conn, F_DUPFD_CLOEXEC, 3)), started = ip.started] {
-      char buf[4096];
-      while (true) {
-        const ssize_t n = recv(report.get(), buf, sizeof(buf) - 1, 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return;  // the instance has ended
-        buf[n] = '\0';
-        const absl::string_view text(buf, static_cast<size_t>(n));
-        if (absl::StartsWith(text, relay::kLogReport)) {
-          fprintf(stderr, "fkserve: (in the program) %s\n", buf + strlen(relay::kLogReport));
-          continue;
-        }
-        unsigned long long resent = 0, resolved = 0, reopened = 0, failures = 0;
-        if (!absl::StartsWith(text, relay::kServedReport) ||
-            sscanf(buf + strlen(relay::kServedReport), "%llu %llu %llu %llu", &resent, &resolved, &reopened,
-                   &failures) != 4) {
-          continue;
-        }
-        {
-          std::lock_guard<std::mutex> lock(ip.mu);
-          ip.served = true;
-        }
-        notice_restart(std::chrono::steady_clock::now() - started, resent, resolved, reopened, failures);
-      }
-    });
-  };
-  if (o.relay) {
-    relay::RelayCallbacks cb;
-    cb.log = [](const std::string& line) { fprintf(stderr, "fkserve: %s\n", line.c_str()); };
-    cb.connection_ended = [&connection_ended] {
-      // The program's socket is closed (it reads end-of-file, as from an unmounted device); one
-      // that does not stop by itself is asked to after a grace.
-      connection_ended = true;
-      std::thread([] {
-        std::this_thread::sleep_for(std::chrono::seconds(2));
-        for (pid_t pid : Children()) kill(pid, SIGTERM);
-      }).detach();
-    };
-    cb.first_answer = [&notice_restart](std::chrono::nanoseconds took, const relay::RelayStats& st) {
-      notice_restart(took, st.resent, st.resolved, st.reopened, st.restore_failures);
-    };
-    cb.program_unresponsive = [&, name](const std::string& why, bool initialized) {
-      // Every process of this instance (the launcher is a subreaper: what it left running too).
-      // The next instance is started only once they have all ended, so these are its.
-      const std::set<pid_t> processes = Children();
-      std::lock_guard<std::mutex> lock(link_mu);
-      killed_because = why;
-      const std::string text = absl::StrCat("relay: ", name, " ", why, "; killing it (", processes.size(),
-                                            " process(es))");
-      fprintf(stderr, "fkserve: %s\n", text.c_str());
-      for (pid_t pid : processes) kill(pid, SIGKILL);
-      // One that had served is restarted: the agent hears why now (an Event). One that never
-      // served ends the launcher, whose report says why.
-      if (link_for_callbacks != nullptr && initialized) {
-        link_for_callbacks->Notice(absl::StrCat(text, ": the relay restarts it and resends what it had not answered"));
-      }
-    };
-    const bool adopting = relay_state.valid();
-    // When the program makes a change durable decides what its death may cost (durability.h).
-    const relay::Durability durability = ResolveDurability(o);
-    fprintf(stderr, "fkserve: %s stores changes at %s%s\n", name.c_str(), relay::DurabilityName(durability),
-            o.durability.empty() || o.durability == "auto" ? " (assumed from the program's name)" : "");
-    auto r = relay::Relay::Start(fuse_fd.get(), cb, std::move(relay_state), durability);
-    if (!r.ok() && adopting) {
-      // The state the dead launcher left cannot be carried on from: a fresh connection (the
-      // agent mounts one and re-binds every pod target; open files are lost, as with --direct).
-      fprintf(stderr, "fkserve: cannot carry on from the previous launcher's relay state (%s); asking for a fresh "
-              "connection\n", std::string(r.status().message()).c_str());
-      ReplyToAgent(sock, false, absl::StrCat("cannot carry on from the relay state: ", r.status().message()),
-                   /*fresh=*/true);
-      auto msg = ReceiveHandoffMessage(sock);
-      if (!msg.ok()) return fail(4, absl::StrCat("receiving a fresh connection: ", msg.status().message()));
-      auto config = DecodeMountConfig(msg->payload);
-      if (!config.ok() || config->live || !msg->fd.valid()) {
-        return fail(4, "the agent did not send a fresh connection after one was asked for");
-      }
-      fuse_fd = std::move(msg->fd);
-      r = relay::Relay::Start(fuse_fd.get(), cb, UniqueFd(), durability);
-    } else if (r.ok() && adopting) {
-      adopted = absl::StrCat("the launcher before this one ended, carrying on from its relay state (",
-                             (*r)->restored_nodes(), " node(s), ", (*r)->restored_handles(), " open handle(s))");
-      fprintf(stderr, "fkserve: %s\n", adopted.c_str());
-    }
-    if (!r.ok()) {
-      return fail(5, absl::StrCat("cannot relay the connection: ", r.status().message()));
-    }
-    relay = std::move(*r);
-    // An instance that never answers FUSE_INIT, or stops answering, is killed
-    // (cb.program_unresponsive).
-    relay->WatchPrograms({.init_timeout = o.init_timeout, .stall = o.program_stall});
-  }
-  auto connection_for_instance = [&](UniqueFd* holder) -> int {
-    if (!relay) return fuse_fd.get();
-    auto theirs = relay->NewInstanceSocket();
-    if (!theirs.ok()) return -1;
-    *holder = std::move(*theirs);
-    struct stat st{};
-    fstat(holder->get(), &st);
-    std::lock_guard<std::mutex> lock(ip.mu);
-    ip.socket_ino = st.st_ino;
-    ip.started = std::chrono::steady_clock::now();
-    ip.claimed = ip.served = false;
-    return holder->get();
-  };
-  FusermountService::ClaimHandler claim_handler = nullptr;
-  if (relay && o.in_program) claim_handler = claim;
-  Instance inst;
-  {
-    UniqueFd theirs;
-    const int conn = connection_for_instance(&theirs);
-    if (conn < 0) return fail(5, "the relay could not make a socket for the program");
-    if (!Spawn(o, dir, conn, relay != nullptr, &inst, &error, claim_handler)) {
-      return fail(absl::StartsWith(error, "could not start") ? 127 : 5, error);
+  if (o_.relay) {
+    if (absl::Status s = StartRelay(std::move(relay_state)); !s.ok()) {
+      return Fail(absl::IsUnavailable(s) ? 4 : 5, std::string(s.message()));
     }
   }
-  ReplyToAgent(sock, true, "", false, "", /*relayed=*/relay != nullptr, relay ? relay->state_fd() : -1);
-  if (o.mark_ready) o.mark_ready(true);
+  if (!Spawn(&error)) return Fail(5, error.empty() ? "the relay could not make a socket for the program" : error);
+  loop_.Run();
+  // Every callback of the loop has run: nothing is in flight.
+  if (relay_) relay_->Stop();
+  if (o_.mark_ready && link_) o_.mark_ready(false);
+  if (link_) {
+    link_->Report(false, final_why_);
+    fprintf(stderr, "fkserve: %s\n", final_why_.c_str());
+  }
+  return exit_code_;
+}
+
+int Launcher::ConnectionForInstance() {
+  if (!relay_) return fuse_fd_.get();
+  auto theirs = relay_->NewInstanceSocket();
+  if (!theirs.ok()) return -1;
+  instance_socket_ = std::move(*theirs);
+  struct stat st{};
+  fstat(instance_socket_.get(), &st);
+  socket_ino_ = st.st_ino;
+  claimed_ = served_ = false;
+  return instance_socket_.get();
+}
+
+bool Launcher::Spawn(std::string* error) {
+  error->clear();
+  const int conn = ConnectionForInstance();
+  if (conn < 0) return false;
+  ProgramInstance::Spec spec;
+  spec.options = &o_;
+  spec.dir = &dir_;
+  spec.conn = conn;
+  spec.relayed = relay_ != nullptr;
+  if (relay_ && o_.in_program) {
+    spec.claim = [this](int c, const std::string& inode, const std::string&) { OnClaim(c, inode); };
+  }
+  // What fkserve's fusermount refused or did not apply reaches the volume's Events now.
+  spec.on_problem = [this](const std::string& p) {
+    if (link_) link_->Notice(absl::StrCat(name_, ": fusermount ", p));
+  };
+  spec.on_exec = [this](const std::string& e) { OnExec(e); };
+  spec.on_end = [this] { loop_.Post([this] { InstanceEnded(); }); };
+  last_start_ = std::chrono::steady_clock::now();
+  inst_ = ProgramInstance::Start(loop_, std::move(spec), error);
+  instance_socket_.Reset();  // the program has its own copy
+  return inst_ != nullptr;
+}
+
+void Launcher::OnExec(const std::string& error) {
+  if (link_ || finished_) return;  // a restart: its end says how it went
+  // The first instance: the agent hears whether serving has begun.
+  if (!error.empty()) {
+    exit_code_ = Fail(127, error);
+    finished_ = true;
+    loop_.Stop();
+    return;
+  }
+  ReplyToAgent(sock_.get(), true, "", false, "", /*relayed=*/relay_ != nullptr, relay_ ? relay_->state_fd() : -1);
+  if (o_.mark_ready) o_.mark_ready(true);
   // The connection stays open while the program serves (and is re-deposited with a restarted
   // agent); its end is reported to the agent. A launched program's FUSE_INIT is its own, so
   // there is none to re-deposit: its successors get a fresh connection.
-  UniqueFd keep(fcntl(fuse_fd.get(), F_DUPFD_CLOEXEC, 3));
-  if (!relay) fuse_fd.Reset();
-  AgentLink link(std::move(sock_fd), std::move(keep), "", o.socket_path, o.agent_uid);
-  link.set_relayed(relay != nullptr);
-  link.set_drain_ms(o.drain_ms);  // after HandleStopSignals above: the gate holds the SIGTERM instead
-  if (relay) link.set_relay_state(UniqueFd(fcntl(relay->state_fd(), F_DUPFD_CLOEXEC, 3)));
-  link.Start();
-  {
-    std::lock_guard<std::mutex> lock(link_mu);
-    link_for_callbacks = &link;
+  UniqueFd keep(fcntl(fuse_fd_.get(), F_DUPFD_CLOEXEC, 3));
+  if (!relay_) fuse_fd_.Reset();
+  link_ = std::make_unique<AgentLink>(loop_, std::move(sock_), std::move(keep), "", o_.socket_path, o_.agent_uid);
+  link_->set_relayed(relay_ != nullptr);
+  link_->set_drain_ms(o_.drain_ms);
+  link_->set_on_stop([this](const std::string&) { Stop(SIGTERM); });
+  if (relay_) link_->set_relay_state(UniqueFd(fcntl(relay_->state_fd(), F_DUPFD_CLOEXEC, 3)));
+  link_->Start();
+}
+
+void Launcher::OnSignal(int sig) {
+  if (sig == SIGCHLD) {
+    if (inst_) inst_->Reap();
+    else while (waitpid(-1, nullptr, WNOHANG) > 0) {}
+    return;
   }
-  // What fkserve's fusermount refused or did not apply reaches the volume's Events now.
-  auto watch_problems = [&link, name](FusermountService* service) {
-    service->OnProblem([&link, name](const std::string& p) { link.Notice(absl::StrCat(name, ": fusermount ", p)); });
-  };
-  watch_problems(inst.service.get());
-  int young_deaths = 0, silent_deaths = 0;
-  Ending end;
-  bool running = true;  // an instance runs (a restart that could not start the program leaves none)
-  while (true) {
-    if (running) {
-      end = WaitForInstance(name, inst.child);
-      inst.service->OnProblem(nullptr);
+  // A server pod's launcher drains first: the link calls Stop when the successor waits.
+  if (sig == SIGTERM && link_ && link_->HoldStop()) return;
+  Stop(sig);
+}
+
+void Launcher::Stop(int sig) {
+  // A stop signal passed on to the program: its end is not a crash to restart from.
+  stop_requested_ = true;
+  if (inst_) {
+    for (pid_t pid : Children()) kill(pid, sig);
+    return;
+  }
+  // Between instances (a restart waits): nothing to stop but the launcher.
+  loop_.CancelTimer(restart_timer_);
+  Finish();
+}
+
+void Launcher::OnClaim(int conn, const std::string& inode) {
+  if (relay_ == nullptr || inst_ == nullptr || inode != std::to_string(socket_ino_) || claimed_) {
+    SendWithFd(conn, "refused: not the current instance's connection", -1);
+    return;
+  }
+  UniqueFd pulse;
+  if (!relay_->HandOver(&pulse)) {
+    SendWithFd(conn, "refused: the instance has talked to the relay already", -1);
+    return;
+  }
+  claimed_ = true;
+  SendWithFd(conn, absl::StrCat("ok\n", relay::DurabilityName(relay_->durability())), fuse_fd_.get());
+  SendWithFd(conn, "journal", relay_->state_fd());
+  SendWithFd(conn, "pulse", pulse.get());
+  fprintf(stderr, "fkserve: %s reads the kernel's connection itself, the relay's core in it\n", name_.c_str());
+  inst_->AddReports(UniqueFd(fcntl(conn, F_DUPFD_CLOEXEC, 3)),
+                    [this, started = inst_->started()](const std::string& text) { OnReport(text, started); });
+}
+
+void Launcher::OnReport(const std::string& text, std::chrono::steady_clock::time_point started) {
+  if (absl::StartsWith(text, relay::kLogReport)) {
+    fprintf(stderr, "fkserve: (in the program) %s\n", text.c_str() + strlen(relay::kLogReport));
+    return;
+  }
+  unsigned long long resent = 0, resolved = 0, reopened = 0, failures = 0;
+  if (!absl::StartsWith(text, relay::kServedReport) ||
+      sscanf(text.c_str() + strlen(relay::kServedReport), "%llu %llu %llu %llu", &resent, &resolved, &reopened,
+             &failures) != 4) {
+    return;
+  }
+  served_ = true;
+  NoticeRestart(std::chrono::steady_clock::now() - started, resent, resolved, reopened, failures);
+}
+
+// A new instance serves: the agent hears it (an Event, and the recovery's metrics).
+void Launcher::NoticeRestart(std::chrono::nanoseconds took, uint64_t resent, uint64_t resolved, uint64_t reopened,
+                             uint64_t failures) {
+  if (restarts_ == 0 && adopted_.empty()) return;
+  const std::string text = absl::StrCat(
+      "relay: ", name_, " restarted (", restarts_ + (adopted_.empty() ? 0 : 1), " restart(s) so far) after ",
+      restarts_ == 0 ? adopted_ : absl::StrCat("it ", last_death_), "; serving again ",
+      std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+      " ms after its start, with the connection kept: ", resent, " request(s) resent, ", resolved,
+      " node(s) looked up again, ", reopened, " handle(s) reopened, ", failures,
+      " request(s) that could not be restored so far");
+  fprintf(stderr, "fkserve: %s\n", text.c_str());
+  if (link_) link_->Notice(text, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+}
+
+void Launcher::OnProgramUnresponsive(const std::string& why, bool initialized) {
+  // Every process of this instance (the launcher is a subreaper: what it left running too).
+  // The next instance is started only once they have all ended, so these are its.
+  const std::set<pid_t> processes = Children();
+  killed_because_ = why;
+  const std::string text =
+      absl::StrCat("relay: ", name_, " ", why, "; killing it (", processes.size(), " process(es))");
+  fprintf(stderr, "fkserve: %s\n", text.c_str());
+  for (pid_t pid : processes) kill(pid, SIGKILL);
+  // One that had served is restarted: the agent hears why now (an Event). One that never served
+  // ends the launcher, whose report says why.
+  if (link_ && initialized) {
+    link_->Notice(absl::StrCat(text, ": the relay restarts it and resends what it had not answered"));
+  }
+}
+
+void Launcher::InstanceEnded() {
+  if (finished_) return;
+  std::string last_words;
+  if (inst_) {
+    inst_->StopProblems();
+    if (inst_->exec_failed()) {
+      // No instance ran: this attempt is the next death (young, and silent).
+      end_why_ = absl::StrCat("restarting ", name_, ": ", inst_->exec_error());
+      end_status_ = 127 << 8;  // as a wait status: exited 127, could not be started
+      fprintf(stderr, "fkserve: %s\n", end_why_.c_str());
+    } else {
+      end_why_ = inst_->why();
+      end_status_ = inst_->status();
+      last_words = inst_->LastWords();
     }
-    // Killed for not answering: said so, rather than only the signal.
-    std::string killed;
-    {
-      std::lock_guard<std::mutex> lock(link_mu);
-      killed.swap(killed_because);
-    }
-    if (!killed.empty()) end.why = absl::StrCat(name, " ", killed, "; fkserve killed it (", end.why, ")");
-    // An instance that served with the relay's core in it: the relay carries on from what that
-    // core journaled, as after a launcher's death.
-    bool in_program = false, in_program_served = false;
-    // Every process of the instance has ended, so its report socket ends: what it said is all
-    // read once its reader is done (a "served" still on its way would count it as silent).
-    for (std::thread& t : ip.readers) t.join();
-    ip.readers.clear();
-    {
-      std::lock_guard<std::mutex> lock(ip.mu);
-      in_program = ip.claimed;
-      in_program_served = ip.served;
-      ip.claimed = ip.served = false;
-    }
-    if (relay && in_program) {
-      if (absl::Status taken = relay->TakeBack(); !taken.ok()) {
-        // The connection ended (unmounted), which is why the program stopped.
-        if (absl::IsUnavailable(taken)) {
-          connection_ended = true;
-        } else {
-          end.why = absl::StrCat(end.why, "; the relay cannot carry on from its state: ", taken.message());
-          break;
-        }
+  }
+  // Killed for not answering: said so, rather than only the signal.
+  std::string killed;
+  killed.swap(killed_because_);
+  if (!killed.empty()) end_why_ = absl::StrCat(name_, " ", killed, "; fkserve killed it (", end_why_, ")");
+  // An instance that served with the relay's core in it: the relay carries on from what that
+  // core journaled, as after a launcher's death.
+  const bool in_program = claimed_, in_program_served = served_;
+  claimed_ = served_ = false;
+  if (relay_ && in_program) {
+    if (absl::Status taken = relay_->TakeBack(); !taken.ok()) {
+      // The connection ended (unmounted), which is why the program stopped.
+      if (absl::IsUnavailable(taken)) {
+        connection_ended_ = true;
+      } else {
+        end_why_ = absl::StrCat(end_why_, "; the relay cannot carry on from its state: ", taken.message());
+        return Finish();
       }
     }
-    if (!relay || stop_requested || connection_ended || pending_stop_signal != 0) break;
-    // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
-    // its end is reported at once, as for a direct one.
-    const relay::RelayStats st = relay->Snapshot();
-    if (!st.served) break;
-    // Relayed: the kernel's connection is kept, requests wait, and the program starts again. One
-    // that keeps dying young is restarted after a growing delay; one that keeps dying before it
-    // answers anything is given up on (a request that kills every instance it reaches is the
-    // relay's to refuse, after three).
-    if (std::chrono::steady_clock::now() - inst.started >= o.stable_after) young_deaths = 0;
-    ++young_deaths;
-    const bool answered = in_program ? in_program_served : st.program_answers_since_start > 0;
-    silent_deaths = answered ? 0 : silent_deaths + 1;
-    if (silent_deaths > o.max_restarts) {
-      end.why = absl::StrCat(end.why, "; gave up after ", o.max_restarts,
-                             " restarts in a row that each died before answering a request");
-      break;
-    }
-    const auto delay = RestartDelay(young_deaths);
-    const std::string last = running ? inst.tail->Last() : "";
-    {
-      std::lock_guard<std::mutex> lock(link_mu);
-      const std::string how = killed.empty() ? Describe(end.status) : absl::StrCat(killed, ", so fkserve killed it");
-      last_death = last.empty() ? how : absl::StrCat(how, " (its last words: ", last, ")");
-    }
-    fprintf(stderr, "fkserve: %s; the relay keeps the connection: restarting it%s\n", end.why.c_str(),
-            delay.count() > 0 ? absl::StrCat(" in ", delay.count(), " ms").c_str() : "");
-    if (delay.count() > 0 && !SleepUnlessStopped(delay)) break;
-    Instance next;
-    UniqueFd theirs;
-    ++restarts;
-    const int conn = connection_for_instance(&theirs);
-    if (conn < 0 || !Spawn(o, dir, conn, relay != nullptr, &next, &error, claim_handler)) {
-      // No instance to wait for: this attempt is the next death (young, and silent).
-      end.why = absl::StrCat("restarting ", name, ": ", conn < 0 ? "the relay could not make a socket" : error);
-      end.status = 127 << 8;  // as a wait status: exited 127, could not be started
-      fprintf(stderr, "fkserve: %s\n", end.why.c_str());
-      inst.started = std::chrono::steady_clock::now();
-      running = false;
-      continue;
-    }
-    running = true;
-    inst = std::move(next);
-    watch_problems(inst.service.get());
   }
-  if (o.mark_ready) o.mark_ready(false);
-  std::string why = end.why;
-  const std::vector<std::string> problems = inst.service->problems();
-  if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
-  if (const std::string last = running ? inst.tail->Last() : ""; !last.empty()) {
-    absl::StrAppend(&why, "; its last words: ", last);
+  if (!relay_ || stop_requested_ || connection_ended_) return Finish();
+  // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
+  // its end is reported at once, as for a direct one.
+  const relay::RelayStats st = relay_->Snapshot();
+  if (!st.served) return Finish();
+  // Relayed: the kernel's connection is kept, requests wait, and the program starts again. One
+  // that keeps dying young is restarted after a growing delay; one that keeps dying before it
+  // answers anything is given up on (a request that kills every instance it reaches is the
+  // relay's to refuse, after three).
+  if (std::chrono::steady_clock::now() - last_start_ >= o_.stable_after) young_deaths_ = 0;
+  ++young_deaths_;
+  const bool answered = in_program ? in_program_served : st.program_answers_since_start > 0;
+  silent_deaths_ = answered ? 0 : silent_deaths_ + 1;
+  if (silent_deaths_ > o_.max_restarts) {
+    end_why_ = absl::StrCat(end_why_, "; gave up after ", o_.max_restarts,
+                            " restarts in a row that each died before answering a request");
+    return Finish();
   }
-  {
-    std::lock_guard<std::mutex> lock(link_mu);
-    link_for_callbacks = nullptr;
+  const auto delay = RestartDelay(young_deaths_);
+  const std::string how =
+      killed.empty() ? Describe(end_status_) : absl::StrCat(killed, ", so fkserve killed it");
+  last_death_ = last_words.empty() ? how : absl::StrCat(how, " (its last words: ", last_words, ")");
+  fprintf(stderr, "fkserve: %s; the relay keeps the connection: restarting it%s\n", end_why_.c_str(),
+          delay.count() > 0 ? absl::StrCat(" in ", delay.count(), " ms").c_str() : "");
+  final_why_ = end_why_;
+  if (delay.count() == 0) return Restart();
+  inst_.reset();
+  restart_timer_ = loop_.AddTimer(delay, [this] {
+    restart_timer_ = 0;
+    Restart();
+  });
+}
+
+void Launcher::Restart() {
+  ++restarts_;
+  inst_.reset();
+  std::string error;
+  if (!Spawn(&error)) {
+    // No instance to wait for: this attempt is the next death (young, and silent).
+    end_why_ = absl::StrCat("restarting ", name_, ": ",
+                            error.empty() ? "the relay could not make a socket" : error);
+    end_status_ = 127 << 8;
+    fprintf(stderr, "fkserve: %s\n", end_why_.c_str());
+    last_start_ = std::chrono::steady_clock::now();
+    loop_.Post([this] { InstanceEnded(); });
   }
-  if (relay) relay->Stop();
-  for (std::thread& t : ip.readers) t.join();  // every process of the program has ended
-  link.Report(false, why);
-  fprintf(stderr, "fkserve: %s\n", why.c_str());
+}
+
+void Launcher::Finish() {
+  if (finished_) return;
+  finished_ = true;
+  std::string why = end_why_;
+  if (inst_) {
+    const std::vector<std::string>& problems = inst_->problems();
+    if (!problems.empty()) absl::StrAppend(&why, " [fusermount: ", absl::StrJoin(problems, "; "), "]");
+    if (const std::string last = inst_->exec_failed() ? "" : inst_->LastWords(); !last.empty()) {
+      absl::StrAppend(&why, "; its last words: ", last);
+    }
+  }
+  final_why_ = why;
   // Relayed, the program cannot tell an unmount from its connection closing: the volume was
   // served until it was unmounted, which is fkserve's 0.
-  if (connection_ended) return 0;
-  const int final_status = end.status;
-  return WIFEXITED(final_status) ? WEXITSTATUS(final_status) : 128 + WTERMSIG(final_status);
+  exit_code_ = connection_ended_ ? 0
+               : WIFEXITED(end_status_) ? WEXITSTATUS(end_status_)
+                                        : 128 + WTERMSIG(end_status_);
+  loop_.Stop();
+}
+
+}  // namespace
+
+int Launch(UniqueFd sock, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& o) {
+  if (o.program.empty()) {
+    ReplyToAgent(sock.get(), false, "launch: no program given (fkserve launch -- <program> [args])");
+    fprintf(stderr, "fkserve: launch: no program given (fkserve launch -- <program> [args])\n");
+    return 2;
+  }
+  // Signals come from a signalfd on the loop: blocked before any thread starts (the relay's
+  // notifier), so that none takes them the classic way. The program gets a clean mask.
+  BlockSignals({SIGCHLD, SIGTERM, SIGINT, SIGHUP});
+  // Where the container runtime's seccomp profile refuses io_uring, the loop waits with epoll.
+  auto loop = Loop::Create({.epoll_without_ring = true});
+  if (!loop.ok()) {
+    ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
+    return 5;
+  }
+  Launcher launcher(**loop, o, std::move(sock), std::move(fuse_fd));
+  return launcher.Run(std::move(relay_state));
 }
 
 }  // namespace fusekeeper

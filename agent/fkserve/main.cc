@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -24,6 +25,7 @@
 #include <cstring>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +37,8 @@
 #include "agent/fkserve/tools.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/handoff_protocol.h"
+#include "agent/loop/loop.h"
+#include "agent/loop/signals.h"
 #include "agent/version.h"
 #include "gflags/gflags.h"
 
@@ -115,6 +119,49 @@ void MarkReady(bool ready) {
 int Fail(int code, const std::string& message) {
   fprintf(stderr, "fkserve: %s\n", message.c_str());
   return code;
+}
+
+// `serve`: libfuse's session on a thread; the process's loop on this one, with the agent link and
+// the stop signals. A stop (or, draining, the successor's arrival) ends the session through
+// options.stop_fd.
+int Serve(UniqueFd sock, UniqueFd fuse, fusekeeper::PassthroughOptions options, int64_t drain_ms) {
+  fusekeeper::BlockSignals({SIGTERM, SIGINT, SIGHUP});
+  auto loop = fusekeeper::Loop::Create({.epoll_without_ring = true});
+  if (!loop.ok()) {
+    fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
+    return Fail(5, std::string(loop.status().message()));
+  }
+  UniqueFd stop(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  auto stop_serving = [&stop] {
+    const uint64_t one = 1;
+    (void)!write(stop.get(), &one, sizeof(one));
+  };
+  options.stop_fd = stop.get();
+  // The connection stays open while we serve (and is re-deposited with a restarted agent); its
+  // end (and why) is reported to the agent.
+  fusekeeper::AgentLink link(**loop, std::move(sock), UniqueFd(fcntl(fuse.get(), F_DUPFD_CLOEXEC, 3)),
+                             options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
+  // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
+  link.set_drain_ms(drain_ms);
+  link.set_on_stop([&](const std::string&) { stop_serving(); });
+  auto signals = fusekeeper::SignalWatcher::Create(**loop, {SIGTERM, SIGINT, SIGHUP}, [&](int sig) {
+    if (sig == SIGTERM && link.HoldStop()) return;
+    stop_serving();
+  });
+  if (!signals.ok()) return Fail(5, std::string(signals.status().message()));
+  link.Start();
+  MarkReady(true);
+  absl::Status s;
+  std::thread session([&] {
+    s = fusekeeper::ServePassthrough(fuse.Release(), options);
+    (*loop)->Stop();
+  });
+  (*loop)->Run();
+  session.join();
+  MarkReady(false);
+  link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
+  if (!s.ok()) return Fail(5, std::string(s.message()));
+  return 0;
 }
 
 }  // namespace
@@ -249,17 +296,5 @@ int main(int argc, char** argv) {
     options.init_request = std::move(*init);
   }
   fusekeeper::ReplyToAgent(sock.get(), true, "", false, config->live ? "" : options.init_request);
-  // The connection stays open while we serve (and is re-deposited with a restarted agent); its
-  // end (and why) is reported to the agent.
-  fusekeeper::AgentLink link(std::move(sock), UniqueFd(fcntl(handoff->fuse.get(), F_DUPFD_CLOEXEC, 3)),
-                             options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
-  // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
-  link.set_drain_ms(config->drain_ms);
-  link.Start();
-  MarkReady(true);
-  absl::Status s = fusekeeper::ServePassthrough(handoff->fuse.Release(), options);
-  MarkReady(false);
-  link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
-  if (!s.ok()) return Fail(5, std::string(s.message()));
-  return 0;
+  return Serve(std::move(sock), std::move(handoff->fuse), options, config->drain_ms);
 }

@@ -571,6 +571,8 @@ struct ReplayIo {
   bool replayed = false;
   bool answered = false;
   uint64_t init_unique = 0;
+  int stop_fd = -1;  // PassthroughOptions::stop_fd
+  fuse_session* se = nullptr;
 };
 
 ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
@@ -584,7 +586,18 @@ ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
     memcpy(buf, io->init.data(), io->init.size());
     return static_cast<ssize_t>(io->init.size());
   }
-  return read(fd, buf, len);
+  while (true) {
+    // With a stop fd the connection is non-blocking: a busy server reads without a poll first.
+    const ssize_t n = read(fd, buf, len);
+    if (n >= 0 || errno != EAGAIN || io->stop_fd < 0) return n;
+    pollfd p[2] = {{fd, POLLIN, 0}, {io->stop_fd, POLLIN, 0}};
+    if (poll(p, 2, -1) < 0 && errno != EINTR) return -1;
+    if (p[1].revents != 0) {
+      fuse_session_exit(io->se);  // libfuse ends its loop once the read returns
+      errno = EINTR;
+      return -1;
+    }
+  }
 }
 
 ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
@@ -664,9 +677,12 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
     fuse_session_destroy(se);
     return absl::InternalError("fuse_session_custom_io failed");
   }
-  // SIGTERM (kubelet stopping the container), SIGINT and SIGHUP end the loop cleanly. They need
-  // handlers: as PID 1 of a container the server would ignore them otherwise.
-  const bool handlers = fuse_set_signal_handlers(se) == 0;
+  io.se = se;
+  io.stop_fd = options.stop_fd;
+  if (io.stop_fd >= 0) fcntl(fuse_fd, F_SETFL, fcntl(fuse_fd, F_GETFL) | O_NONBLOCK);
+  // Without a stop fd: SIGTERM (kubelet stopping the container), SIGINT and SIGHUP end the loop
+  // cleanly. They need handlers: as PID 1 of a container the server would ignore them otherwise.
+  const bool handlers = io.stop_fd < 0 && fuse_set_signal_handlers(se) == 0;
   int r = fuse_session_loop(se);
   if (handlers) fuse_remove_signal_handlers(se);
   fuse_session_destroy(se);

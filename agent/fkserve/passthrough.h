@@ -28,6 +28,9 @@ struct PassthroughOptions {
   // so libfuse's answer is dropped, and the kernel is asked to resend the requests the dead
   // server had read but not answered (FUSE_NOTIFY_RESEND, Linux 6.9+).
   bool live = false;
+  // Readable: serving ends, as after an unmount (the owner's loop takes the stop signals). -1:
+  // libfuse's own handlers of SIGTERM, SIGINT and SIGHUP end it.
+  int stop_fd = -1;
 };
 
 // Blocking. Reads the FUSE_INIT request a fresh connection starts with (waiting up to

@@ -1,13 +1,9 @@
-// The signals that ask fkserve to stop (kubelet's SIGTERM, and SIGINT, SIGHUP), and how its
-// threads share them: only the main thread takes them, so that they interrupt its blocking
-// wait (the serving read, the launcher's waitpid); helper threads are started with them blocked.
-// As PID 1 of a container fkserve needs its own handlers: it would ignore them otherwise.
+// The signals that ask fkserve to stop: kubelet's SIGTERM, and SIGINT, SIGHUP. fkserve's modes
+// take them from a signalfd on their loop (agent/loop/signals.h), blocked in every thread; a
+// launched program gets them back with their default action.
 #pragma once
 
 #include <signal.h>
-
-#include <thread>
-#include <utility>
 
 namespace fusekeeper {
 
@@ -20,18 +16,6 @@ inline void HandleStopSignals(void (*handler)(int), bool restart) {
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = restart ? SA_RESTART : 0;
   for (int sig : kStopSignals) sigaction(sig, &sa, nullptr);
-}
-
-// A thread that never takes a stop signal (it inherits the mask it is started with).
-template <typename F>
-std::thread StartWithoutStopSignals(F&& fn) {
-  sigset_t stop, old;
-  sigemptyset(&stop);
-  for (int sig : kStopSignals) sigaddset(&stop, sig);
-  pthread_sigmask(SIG_BLOCK, &stop, &old);
-  std::thread t(std::forward<F>(fn));
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  return t;
 }
 
 }  // namespace fusekeeper

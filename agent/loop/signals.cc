@@ -1,7 +1,9 @@
 #include "agent/loop/signals.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include <cstring>
 
@@ -23,7 +25,7 @@ absl::StatusOr<std::unique_ptr<SignalWatcher>> SignalWatcher::Create(
   sigset_t set;
   sigemptyset(&set);
   for (int s : signals) sigaddset(&set, s);
-  int fd = signalfd(-1, &set, SFD_CLOEXEC);
+  int fd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
   if (fd < 0) return absl::InternalError(absl::StrCat("signalfd: ", std::strerror(errno)));
   std::unique_ptr<SignalWatcher> w(new SignalWatcher(loop, UniqueFd(fd), std::move(on_signal)));
   w->ArmRead();
@@ -31,17 +33,21 @@ absl::StatusOr<std::unique_ptr<SignalWatcher>> SignalWatcher::Create(
 }
 
 SignalWatcher::SignalWatcher(Loop& loop, UniqueFd fd, absl::AnyInvocable<void(int)> on_signal)
-    : loop_(loop), fd_(std::move(fd)), on_signal_(std::move(on_signal)) {
-  read_.callback = [this](int32_t res, bool /*more*/) {
-    if (res == static_cast<int32_t>(sizeof(info_))) {
-      on_signal_(static_cast<int>(info_.ssi_signo));
-    } else if (res < 0 && res != -ECANCELED) {
-      LOG(ERROR) << "reading signalfd: " << std::strerror(-res);
-    }
-    if (res != -ECANCELED && loop_.running()) ArmRead();
-  };
-}
+    : loop_(loop), fd_(std::move(fd)), on_signal_(std::move(on_signal)) {}
 
-void SignalWatcher::ArmRead() { loop_.Read(&read_, fd_.get(), &info_, sizeof(info_), 0); }
+// A poll, not a read: the epoll backend (no io_uring) has no reads, and a read of a signalfd on
+// the ring could sleep inline in the loop thread.
+void SignalWatcher::ArmRead() {
+  watch_ = std::make_unique<PollWatch>(loop_, fd_.get(), POLLIN, /*multishot=*/true, [this](int res) {
+    if (res < 0) {
+      LOG(ERROR) << "polling signalfd: " << std::strerror(-res);
+      return;
+    }
+    signalfd_siginfo info{};
+    while (read(fd_.get(), &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+      on_signal_(static_cast<int>(info.ssi_signo));
+    }
+  });
+}
 
 }  // namespace fusekeeper

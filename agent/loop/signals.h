@@ -1,5 +1,5 @@
-// SignalWatcher: delivers SIGTERM/SIGINT (or any set) as callbacks on the loop thread by reading a
-// signalfd through the ring. Call BlockSignalsInThisProcess() in main() before any thread starts
+// SignalWatcher: delivers SIGTERM/SIGINT (or any set) as callbacks on the loop thread from a
+// signalfd polled on the loop (either backend). Call BlockSignalsInThisProcess() in main() before any thread starts
 // so that no thread takes the signal the classic way.
 #pragma once
 
@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "agent/base/unique_fd.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/poll_watch.h"
 
 namespace fusekeeper {
 
@@ -26,7 +27,7 @@ class SignalWatcher {
       Loop& loop, std::initializer_list<int> signals, absl::AnyInvocable<void(int signo)> on_signal);
   SignalWatcher(const SignalWatcher&) = delete;
   SignalWatcher& operator=(const SignalWatcher&) = delete;
-  // Must outlive any read in flight: destroy after the loop has stopped.
+  // Loop thread (or after the loop's Run has returned).
   ~SignalWatcher() = default;
 
  private:
@@ -36,8 +37,7 @@ class SignalWatcher {
   Loop& loop_;
   UniqueFd fd_;
   absl::AnyInvocable<void(int)> on_signal_;
-  signalfd_siginfo info_{};
-  Completion read_;
+  std::unique_ptr<PollWatch> watch_;
 };
 
 }  // namespace fusekeeper

@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/testing/loop_thread.h"
 #include "tests/testing/subprocess.h"
 
 namespace fusekeeper {
@@ -68,12 +69,25 @@ class FusermountTest : public ::testing::Test {
     fs::create_directories(dir_.path() + "/bin");
     fs::create_symlink(RunfilePath("agent/fkserve/fkserve-fusermount"), dir_.path() + "/bin/fusermount3");
     std::string error;
-    service_ = FusermountService::Start(dir_.path() + "/fusermount.sock", fuse_, false, &error);
+    // The service answers on a loop (the launcher's); this test's runs on a thread.
+    loop_.RunOnLoop([&] {
+      service_ = FusermountService::Start(loop_.loop(), dir_.path() + "/fusermount.sock", fuse_, false, &error);
+    });
     ASSERT_NE(service_, nullptr) << error;
   }
   void TearDown() override {
-    service_.reset();
+    loop_.RunOnLoop([&] { service_.reset(); });
     if (fuse_ >= 0) close(fuse_);
+  }
+  bool Handed() {
+    bool handed = false;
+    loop_.RunOnLoop([&] { handed = service_->handed(); });
+    return handed;
+  }
+  std::vector<std::string> Problems() {
+    std::vector<std::string> problems;
+    loop_.RunOnLoop([&] { problems = service_->problems(); });
+    return problems;
   }
   struct Run {
     int status = -1;
@@ -117,6 +131,7 @@ class FusermountTest : public ::testing::Test {
 
   ShortTempDir dir_;
   int fuse_ = -1;
+  LoopThread loop_;
   std::unique_ptr<FusermountService> service_;
 };
 
@@ -130,14 +145,14 @@ TEST_F(FusermountTest, HandsTheConnectionOverOnceAndReportsOptions) {
   close(first.received_fd);
   EXPECT_TRUE(absl::StrContains(first.stderr_text, "options NOT applied")) << first.stderr_text;
   EXPECT_TRUE(absl::StrContains(first.stderr_text, "suid (never")) << first.stderr_text;
-  EXPECT_TRUE(service_->handed());
+  EXPECT_TRUE(Handed());
   // A second mount is refused, in the program's stderr and in the report for the agent.
   Run second = Fusermount({"-o", "rw", "--", mnt});
   EXPECT_EQ(second.status, 1);
   EXPECT_LT(second.received_fd, 0);
   EXPECT_TRUE(absl::StrContains(second.stderr_text, "a second mount")) << second.stderr_text;
   bool refused = false, options = false;
-  for (const auto& p : service_->problems()) {
+  for (const auto& p : Problems()) {
     refused = refused || absl::StrContains(p, "refused: a second mount");
     options = options || absl::StrContains(p, "options not applied: suid");
   }
@@ -177,7 +192,7 @@ TEST_F(FusermountTest, BadInputGetsAClearErrorAndTheServiceKeepsWorking) {
   EXPECT_TRUE(absl::StrContains(std::string(buf, static_cast<size_t>(n)), "not fkserve's fusermount's"));
   close(junk);
   // None of that used up the handover.
-  EXPECT_FALSE(service_->handed());
+  EXPECT_FALSE(Handed());
   Run good = Fusermount({"--", mnt});
   EXPECT_EQ(good.status, 0) << good.stderr_text;
   ASSERT_GE(good.received_fd, 0);

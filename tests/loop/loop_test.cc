@@ -17,7 +17,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/testing/loop_thread.h"
-#include "tests/testing/no_io_uring.h"
+#include "tests/testing/loop_without_ring.h"
 
 namespace fusekeeper {
 namespace {
@@ -305,19 +305,6 @@ TEST(LoopTest, UsesSingleIssuerDeferTaskrunWhereTheKernelHasIt) {
 
 namespace fusekeeper {
 namespace {
-
-// A loop made where io_uring is refused (a thread under the runtimes' default seccomp filter);
-// nullptr if the filter could not be installed.
-std::unique_ptr<Loop> LoopWithoutRing(absl::Status* plain_create = nullptr) {
-  std::unique_ptr<Loop> out;
-  std::thread([&] {
-    if (!RefuseIoUring()) return;
-    if (plain_create != nullptr) *plain_create = Loop::Create().status();
-    auto l = Loop::Create({.epoll_without_ring = true});
-    if (l.ok()) out = std::move(*l);
-  }).join();
-  return out;
-}
 
 TEST(LoopWithoutRingTest, WhereIoUringIsRefusedCreateSaysWhyOrWaitsWithEpoll) {
   absl::Status plain;

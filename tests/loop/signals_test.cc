@@ -8,14 +8,27 @@
 
 #include "gtest/gtest.h"
 #include "tests/testing/loop_thread.h"
+#include "tests/testing/loop_without_ring.h"
 
 namespace fusekeeper {
 namespace {
 
-TEST(SignalWatcherTest, DeliversSignalsOnTheLoopThread) {
+// On both of the Loop's backends: the ring, and epoll (where io_uring is refused).
+class SignalWatcherTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SignalWatcherTest, DeliversSignalsOnTheLoopThread) {
   // Blocked before the loop thread exists, so it inherits the mask.
   BlockSignals({SIGUSR1, SIGUSR2});
-  LoopThread lt;
+  std::unique_ptr<Loop> loop;
+  if (GetParam()) {
+    loop = LoopWithoutRing();
+    ASSERT_TRUE(loop != nullptr && !loop->without_ring_why().empty()) << "no seccomp filter here";
+  } else {
+    auto l = Loop::Create();
+    ASSERT_TRUE(l.ok()) << l.status();
+    loop = std::move(*l);
+  }
+  LoopThread lt(std::move(loop));
   std::promise<pid_t> tid;
   ASSERT_TRUE(lt.loop().Post([&] { tid.set_value(static_cast<pid_t>(syscall(SYS_gettid))); }));
   auto tid_f = tid.get_future();
@@ -42,6 +55,9 @@ TEST(SignalWatcherTest, DeliversSignalsOnTheLoopThread) {
   std::sort(seen.begin(), seen.end());
   EXPECT_EQ(seen, (std::vector<int>{SIGUSR1, SIGUSR2}));
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, SignalWatcherTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "epoll" : "ring"; });
 
 }  // namespace
 }  // namespace fusekeeper

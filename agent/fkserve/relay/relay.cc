@@ -34,9 +34,14 @@ constexpr int kSocketBufferBytes = 4 << 20;
 constexpr size_t kLargestUsefulMessage = (1 << 20) + 4096;
 
 // Runs fn on the relay's loop thread and waits for what it returns; nullopt (fn not run) once
-// the loop has stopped. Every Relay method but Start and Stop comes through here.
+// the loop has stopped. Every Relay method but Start and Stop comes through here. `now`: the
+// caller is the loop's thread (a relay on its owner's loop): fn runs at once.
 template <typename F>
-auto OnLoop(Loop& loop, F fn) -> std::optional<decltype(fn())> {
+auto OnLoop(Loop& loop, bool now, F fn) -> std::optional<decltype(fn())> {
+  if (now) {
+    if (loop.stop_requested()) return std::nullopt;
+    return fn();
+  }
   std::promise<decltype(fn())> result;
   if (!loop.Post([&] { result.set_value(fn()); })) return std::nullopt;
   return result.get_future().get();
@@ -61,7 +66,8 @@ struct ProgramConn {
 };
 
 struct Relay::LoopState final : RelayOutput {
-  std::unique_ptr<Loop> loop;
+  std::unique_ptr<Loop> own_loop;  // a relay on a thread of its own
+  Loop* loop = nullptr;            // own_loop, or its owner's
   UniqueFd kernel;
   RelayCallbacks cb;
   size_t max_message = 0;
@@ -438,7 +444,7 @@ struct Relay::LoopState final : RelayOutput {
 };
 
 absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks, UniqueFd state,
-                                                   Durability durability) {
+                                                   Durability durability, Loop* on) {
   std::unique_ptr<Relay> r(new Relay());
   // The largest message a socket pair carries here: the sender's buffer, less the kernel's own
   // 32 bytes of accounting (unix_dgram_sendmsg), and a margin.
@@ -460,13 +466,17 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
 
   // Where the container runtime's seccomp profile refuses io_uring, the relay waits with epoll:
   // it only polls, and reads and writes by itself.
-  auto loop = Loop::Create({.epoll_without_ring = true});
-  if (!loop.ok()) return loop.status();
-  if (const std::string& why = (*loop)->without_ring_why(); !why.empty() && callbacks.log) {
+  auto st = std::make_unique<LoopState>();
+  if (on == nullptr) {
+    auto loop = Loop::Create({.epoll_without_ring = true});
+    if (!loop.ok()) return loop.status();
+    st->own_loop = std::move(*loop);
+    on = st->own_loop.get();
+  }
+  st->loop = on;
+  if (const std::string& why = on->without_ring_why(); !why.empty() && callbacks.log) {
     callbacks.log(absl::StrCat("relay: no io_uring here (", why, "): waiting with epoll"));
   }
-  auto st = std::make_unique<LoopState>();
-  st->loop = std::move(*loop);
   st->kernel = UniqueFd(fcntl(kernel_fd, F_DUPFD_CLOEXEC, 3));
   if (!st->kernel.valid()) return absl::InternalError(absl::StrCat("dup of the connection: ", strerror(errno)));
   st->cb = std::move(callbacks);
@@ -511,6 +521,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   }
   st->ArmKernelPoll();
   r->state_ = std::move(st);
+  if (r->state_->own_loop == nullptr) return r;  // its owner runs the loop
   r->thread_ = std::thread([raw = r->state_.get()] {
     // Stop signals are the launcher's (its main thread forwards them to the program).
     sigset_t block;
@@ -525,9 +536,14 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
 Relay::~Relay() { Stop(); }
 
 void Relay::Stop() {
-  if (!thread_.joinable()) return;
-  state_->loop->Stop();
-  thread_.join();
+  if (state_ == nullptr || stopped_) return;
+  if (thread_.joinable()) {
+    state_->loop->Stop();
+    thread_.join();
+  }
+  // On its owner's loop, Stop comes after that loop's Run has returned (relay.h): the callbacks
+  // of what was in flight have run by then.
+  stopped_ = true;
   if (state_->conn != nullptr) {
     state_->conn->retired = true;
     state_->conn->poll_armed = state_->conn->out_armed = false;
@@ -546,7 +562,7 @@ absl::StatusOr<UniqueFd> Relay::NewInstanceSocket() {
   fcntl(sv[0], F_SETFL, O_NONBLOCK);  // ours only: the program's end stays blocking, like /dev/fuse
   UniqueFd ours(sv[0]), theirs(sv[1]);
   LoopState* st = state_.get();
-  const bool attached = OnLoop(*st->loop, [&] {
+  const bool attached = OnLoop(*st->loop, st->own_loop == nullptr, [&] {
                           st->Attach(std::move(ours));
                           return true;
                         }).has_value();
@@ -563,7 +579,7 @@ void Relay::WatchPrograms(ProgramLimits limits) {
   const std::chrono::milliseconds tick =
       std::clamp(shortest / 8, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
   LoopState* st = state_.get();
-  OnLoop(*st->loop, [&] {
+  OnLoop(*st->loop, st->own_loop == nullptr, [&] {
     st->limits = limits;
     st->Watch(tick);
     return true;
@@ -572,13 +588,13 @@ void Relay::WatchPrograms(ProgramLimits limits) {
 
 bool Relay::HandOver(UniqueFd* pulse) {
   LoopState* st = state_.get();
-  return OnLoop(*st->loop, [&] { return st->HandOver(pulse); }).value_or(false);
+  return OnLoop(*st->loop, st->own_loop == nullptr, [&] { return st->HandOver(pulse); }).value_or(false);
 }
 
 absl::Status Relay::TakeBack() {
   LoopState* st = state_.get();
   // The journal is opened again by the take-back: its fd comes back with the outcome.
-  auto taken = OnLoop(*st->loop, [&] {
+  auto taken = OnLoop(*st->loop, st->own_loop == nullptr, [&] {
     absl::Status s = st->TakeBack();
     return std::make_pair(s, st->journal->fd());
   });
@@ -589,7 +605,7 @@ absl::Status Relay::TakeBack() {
 
 RelayStats Relay::Snapshot() {
   LoopState* st = state_.get();
-  return OnLoop(*st->loop, [&] { return st->core->stats(); }).value_or(RelayStats{});
+  return OnLoop(*st->loop, st->own_loop == nullptr, [&] { return st->core->stats(); }).value_or(RelayStats{});
 }
 
 }  // namespace fusekeeper::relay

@@ -14,8 +14,9 @@
 //  - A new instance gets a new socket pair (NewInstanceSocket); the old one is closed, and what
 //    the old instance had not answered is sent again (RelayCore).
 //
-// Threading: Start/NewInstanceSocket/Snapshot/Stop from any one thread (the launcher's main
-// thread); everything else runs on the relay's loop thread. The callbacks run on the loop thread.
+// Threading: on a loop of its own (a thread), Start/NewInstanceSocket/Snapshot/Stop from any one
+// other thread; on its owner's loop (Start's `loop`), every method from that loop's thread, where
+// the blocking ones run at once. Everything else runs on the loop thread, the callbacks too.
 #pragma once
 
 #include <chrono>
@@ -27,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "agent/base/unique_fd.h"
 #include "agent/fkserve/relay/relay_core.h"
+#include "agent/loop/loop.h"
 
 namespace fusekeeper::relay {
 
@@ -64,9 +66,12 @@ class Relay {
   // that cannot resend, is an error (INVALID_ARGUMENT, FAILED_PRECONDITION): the caller asks
   // for a fresh connection instead.
   // `durability`: when the program makes a change durable (durability.h; RelayCore).
+  // `loop`: its owner's loop (made with epoll_without_ring), which the owner runs, and after whose
+  // Run the relay is stopped; none: a loop and a thread of its own.
   static absl::StatusOr<std::unique_ptr<Relay>> Start(int kernel_fd, RelayCallbacks callbacks,
                                                       UniqueFd state = UniqueFd(),
-                                                      Durability durability = Durability::kAtSync);
+                                                      Durability durability = Durability::kAtSync,
+                                                      Loop* loop = nullptr);
   ~Relay();
   Durability durability() const { return durability_; }
 
@@ -113,6 +118,7 @@ class Relay {
   size_t restored_nodes_ = 0, restored_handles_ = 0;
   std::unique_ptr<LoopState> state_;
   std::thread thread_;
+  bool stopped_ = false;
 };
 
 }  // namespace fusekeeper::relay
