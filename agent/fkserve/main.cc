@@ -126,7 +126,8 @@ int Fail(int code, const std::string& message) {
 // options.stop_fd.
 int Serve(UniqueFd sock, UniqueFd fuse, fusekeeper::PassthroughOptions options, int64_t drain_ms) {
   fusekeeper::BlockSignals({SIGTERM, SIGINT, SIGHUP});
-  auto loop = fusekeeper::Loop::Create({.epoll_without_ring = true});
+  // epoll, never the ring: its polls would keep the agent's socket open past a kill -9 (launcher.cc).
+  auto loop = fusekeeper::Loop::Create({.epoll_only = "fkserve's loop, so that a killed server's sockets close at once"});
   if (!loop.ok()) {
     fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
     return Fail(5, std::string(loop.status().message()));

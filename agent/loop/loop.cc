@@ -63,7 +63,8 @@ absl::StatusOr<std::unique_ptr<Loop>> Loop::Create(const LoopOptions& options) {
   std::unique_ptr<Loop> loop(new Loop());
   io_uring_params params{};
   params.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_R_DISABLED;
-  int r = io_uring_queue_init_params(options.ring_entries, &loop->ring_, &params);
+  int r = !options.epoll_only.empty() ? -ECANCELED
+                                      : io_uring_queue_init_params(options.ring_entries, &loop->ring_, &params);
   if (r == -EINVAL) {
     // Kernel older than 6.1: a plain ring, which any thread may submit to.
     params = {};
@@ -71,8 +72,10 @@ absl::StatusOr<std::unique_ptr<Loop>> Loop::Create(const LoopOptions& options) {
   } else if (r == 0) {
     loop->defer_taskrun_ = true;
   }
-  if (r < 0 && !options.epoll_without_ring) return RingUnavailable(-r);
-  if (r < 0) {
+  if (r < 0 && !options.epoll_without_ring && options.epoll_only.empty()) return RingUnavailable(-r);
+  if (!options.epoll_only.empty()) {
+    loop->without_ring_why_ = options.epoll_only;
+  } else if (r < 0) {
     loop->without_ring_why_ = absl::StrCat("io_uring_setup: ", std::strerror(-r));
     if (-r == EPERM || -r == EACCES || -r == ENOSYS) {
       absl::StrAppend(&loop->without_ring_why_, " (a seccomp profile, as container runtimes' default, or "

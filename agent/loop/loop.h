@@ -53,6 +53,11 @@ struct LoopOptions {
   // kernel.io_uring_disabled sysctl), wait with epoll instead of failing. Such a loop offers
   // PollAdd, Cancel, timers and posts only: Read and GetSqe/Arm need the ring (they CHECK).
   bool epoll_without_ring = false;
+  // Non-empty: wait with epoll even where io_uring is allowed, for this reason (without_ring_why).
+  // For a process whose sockets must close the moment it dies: a ring's polls hold their files
+  // until the ring's teardown, which the kernel runs later, in a worker (so a peer would see a
+  // killed process's socket close late).
+  std::string epoll_only;
 };
 
 using TimerId = uint64_t;

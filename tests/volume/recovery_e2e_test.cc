@@ -441,7 +441,8 @@ TEST_F(RecoveryE2ETest, ASidecarStoppedForPodDeletionIsNoWarningButACrashIs) {
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(gone + "/hello.txt"); }).has_value());
   sidecar->Signal(SIGTERM);
   ASSERT_TRUE(sidecar->Wait(std::chrono::milliseconds(20000)).has_value());
-  ASSERT_TRUE(WaitForAgentLog("volume grace-1: the FUSE server closed its connection")) << agent_->Stderr();
+  // It says it stopped serving (its connection closes with it).
+  ASSERT_TRUE(WaitForAgentLog("volume grace-1: the FUSE server stopped serving")) << sidecar->Stderr() << agent_->Stderr();
   ASSERT_RPC_OK(Unpublish("grace-1", gone));
   ASSERT_TRUE(WaitForAgentLog("(a pod going away): no Warning")) << agent_->Stderr();
   // A server that really dies is still a Warning, once the grace has passed.

@@ -475,7 +475,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   }
   st->loop = on;
   if (const std::string& why = on->without_ring_why(); !why.empty() && callbacks.log) {
-    callbacks.log(absl::StrCat("relay: no io_uring here (", why, "): waiting with epoll"));
+    callbacks.log(absl::StrCat("relay: waiting with epoll (", why, ")"));
   }
   st->kernel = UniqueFd(fcntl(kernel_fd, F_DUPFD_CLOEXEC, 3));
   if (!st->kernel.valid()) return absl::InternalError(absl::StrCat("dup of the connection: ", strerror(errno)));
