@@ -2,8 +2,9 @@
 //   direct      --direct: the program holds the kernel's connection, no relay (no restarts)
 //   in-program  the default: the relay's core runs inside the program (relay/in_program.h)
 //   hop         --in_program=false: the relay in the launcher, the program on a socket
-//   hop-epoll   the hop where seccomp refuses io_uring (the runtimes' default profiles): the
-//               launcher's loop waits with epoll instead of on its ring
+//   hop-epoll   the hop under a seccomp filter that refuses io_uring (the runtimes' default
+//               profiles); fkserve's loop waits with epoll either way (launcher.cc says why),
+//               so this way checks that the filter costs nothing
 // (gocryptfs, a Go program, makes its own system calls: its default way is the hop too.)
 // Each program serves four mounts of one backing store at once (one per way), each mounted by
 // a HandoffEndpoint as the agent mounts volumes, with fkserve as a child process. sshfs talks

@@ -20,7 +20,9 @@
 // them does, and its end is reported to the agent with the program's name and exit status (a
 // plain exit 0 too). SIGTERM/SIGINT/SIGHUP are passed on to every one of them.
 //
-// Blocking; the process's main thread.
+// Blocking: Launch runs the process's one loop (epoll) on the calling thread, the main one; every
+// event (signals by signalfd, the program's processes, its stderr, fkserve's fusermount, the
+// agent's connection, the relay) is handled there (launcher.cc, program_instance.h).
 #pragma once
 
 #include <sys/types.h>
