@@ -15,7 +15,6 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -25,7 +24,6 @@
 #include <cstring>
 #include <chrono>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -35,10 +33,8 @@
 #include "agent/fkserve/launcher.h"
 #include "agent/fkserve/stop_signals.h"
 #include "agent/fkserve/tools.h"
-#include "agent/fkserve/passthrough.h"
+#include "agent/fkserve/serve.h"
 #include "agent/fuse/handoff_protocol.h"
-#include "agent/loop/loop.h"
-#include "agent/loop/signals.h"
 #include "agent/version.h"
 #include "gflags/gflags.h"
 
@@ -121,71 +117,96 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
-// `serve`: libfuse's session on a thread; the process's loop on this one, with the agent link and
-// the stop signals. A stop (or, draining, the successor's arrival) ends the session through
-// options.stop_fd.
-int Serve(UniqueFd sock, UniqueFd fuse, fusekeeper::PassthroughOptions options, int64_t drain_ms) {
-  fusekeeper::BlockSignals({SIGTERM, SIGINT, SIGHUP});
-  // epoll, never the ring: its polls would keep the agent's socket open past a kill -9 (launcher.cc).
-  auto loop = fusekeeper::Loop::Create({.epoll_only = "fkserve's loop, so that a killed server's sockets close at once"});
-  if (!loop.ok()) {
-    fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
-    return Fail(5, std::string(loop.status().message()));
+// `launch`'s options: the flags, the volume's config, and where fkserve's tools are.
+fusekeeper::LaunchOptions LaunchOptionsFromFlags(const std::vector<std::string>& program,
+                                                 const fusekeeper::MountConfig* config) {
+  fusekeeper::LaunchOptions lo;
+  lo.program = program;
+  lo.socket_path = FLAGS_socket;
+  lo.agent_uid = static_cast<uid_t>(FLAGS_agent_uid);
+  lo.read_only = config->read_only;
+  const char* tmpdir = getenv("TMPDIR");
+  lo.work_dirs = {FLAGS_work_dir, tmpdir != nullptr ? tmpdir : "", "/tmp",
+                  FLAGS_socket.substr(0, FLAGS_socket.rfind('/'))};
+  // Beside fkserve unless told (fkserve run through its own loader from a tools directory:
+  // /proc/self/exe is then the loader, so the webhook's sidecar passes both).
+  char self[PATH_MAX];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  const std::string exe = len > 0 ? std::string(self, static_cast<size_t>(len)) : "";
+  const std::string dir = exe.substr(0, exe.rfind('/') + 1);
+  lo.fusermount = FLAGS_fusermount == "auto" ? dir + "fkserve-fusermount" : FLAGS_fusermount;
+  if (access(lo.fusermount.c_str(), X_OK) != 0) {
+    fprintf(stderr, "fkserve: no %s: a program given {mountpoint} will find no fusermount of fkserve's "
+            "(set --fusermount)\n", lo.fusermount.c_str());
   }
-  UniqueFd stop(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  auto stop_serving = [&stop] {
-    const uint64_t one = 1;
-    (void)!write(stop.get(), &one, sizeof(one));
-  };
-  options.stop_fd = stop.get();
-  // The connection stays open while we serve (and is re-deposited with a restarted agent); its
-  // end (and why) is reported to the agent.
-  fusekeeper::AgentLink link(**loop, std::move(sock), UniqueFd(fcntl(fuse.get(), F_DUPFD_CLOEXEC, 3)),
-                             options.init_request, FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid));
-  // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
-  link.set_drain_ms(drain_ms);
-  link.set_on_stop([&](const std::string&) { stop_serving(); });
-  auto signals = fusekeeper::SignalWatcher::Create(**loop, {SIGTERM, SIGINT, SIGHUP}, [&](int sig) {
-    if (sig == SIGTERM && link.HoldStop()) return;
-    stop_serving();
-  });
-  if (!signals.ok()) return Fail(5, std::string(signals.status().message()));
-  link.Start();
-  MarkReady(true);
-  absl::Status s;
-  std::thread session([&] {
-    s = fusekeeper::ServePassthrough(fuse.Release(), options);
-    (*loop)->Stop();
-  });
-  (*loop)->Run();
-  session.join();
-  MarkReady(false);
-  link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
-  if (!s.ok()) return Fail(5, std::string(s.message()));
+  lo.preload = FLAGS_preload == "auto" ? dir + "libfkserve_preload.so" : FLAGS_preload;
+  if (!lo.preload.empty() && access(lo.preload.c_str(), R_OK) != 0) {
+    fprintf(stderr, "fkserve: no %s: programs that exec the system's fusermount by its absolute path "
+            "(libfuse) will not find fkserve's (set --preload)\n", lo.preload.c_str());
+    lo.preload.clear();
+  }
+  lo.mark_ready = MarkReady;
+  lo.relay = !FLAGS_direct;
+  lo.in_program = FLAGS_in_program;
+  lo.max_restarts = FLAGS_max_restarts;
+  lo.durability = FLAGS_durability;
+  lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);
+  lo.drain_ms = config->drain_ms;
+  lo.init_timeout = std::chrono::milliseconds(FLAGS_init_timeout_ms);
+  lo.program_stall = std::chrono::milliseconds(FLAGS_program_stall_ms);
+  return lo;
+}
+
+// The mode, its argument (install-tools <dir>) and the launched program, from the original argv:
+// gflags reorders it, and nothing after "--" may be mistaken for our own flags.
+struct Command {
+  std::string mode, mode_arg;
+  std::vector<std::string> program;
+};
+Command SplitArgs(int argc, char** argv) {
+  Command c;
+  bool after_dashes = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (after_dashes) {
+      c.program.push_back(a);
+    } else if (a == "--") {
+      after_dashes = true;
+    } else if (c.mode.empty() && a.rfind("-", 0) != 0) {
+      c.mode = a;
+    } else if (c.mode_arg.empty() && a.rfind("-", 0) != 0) {
+      c.mode_arg = a;
+    }
+  }
+  return c;
+}
+
+int InstallTools(const std::string& dir) {
+  if (dir.empty()) return Fail(2, "install-tools needs a directory");
+  std::string loader;
+  if (auto s = fusekeeper::InstallToolsBlocking(dir, &loader); !s.ok()) return Fail(1, std::string(s.message()));
+  printf("installed in %s: run %s/lib/%s --library-path %s/lib %s/fkserve --fusermount=%s/fkserve-fusermount "
+         "--preload=%s/libfkserve_preload.so ...\n",
+         dir.c_str(), dir.c_str(), loader.c_str(), dir.c_str(), dir.c_str(), dir.c_str(), dir.c_str());
   return 0;
+}
+
+// What the serving modes need of the flags, checked.
+std::string CheckServingFlags(const std::string& mode) {
+  if (mode != "serve" && mode != "launch") return absl::StrCat("unknown mode '", mode, "'");
+  if (FLAGS_socket.empty()) return "--socket is required";
+  if (mode == "serve" && FLAGS_root.empty()) return "serve needs --root=<directory to export>";
+  if (auto s = fusekeeper::CheckDurability(FLAGS_durability); !s.ok()) return std::string(s.message());
+  if (FLAGS_init_timeout_ms < 0 || FLAGS_program_stall_ms < 0) {
+    return "--init_timeout_ms and --program_stall_ms must be >= 0 (0: no bound)";
+  }
+  return "";
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The mode and the launched program come from the original argv: gflags reorders it, and
-  // nothing after "--" may be mistaken for our own flags.
-  std::string mode;
-  std::string mode_arg;  // install-tools <dir>
-  std::vector<std::string> program;
-  bool after_dashes = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (after_dashes) {
-      program.push_back(a);
-    } else if (a == "--") {
-      after_dashes = true;
-    } else if (mode.empty() && a.rfind("-", 0) != 0) {
-      mode = a;
-    } else if (mode_arg.empty() && a.rfind("-", 0) != 0) {
-      mode_arg = a;
-    }
-  }
+  const Command cmd = SplitArgs(argc, argv);
   gflags::SetVersionString(fusekeeper::kVersion);
   gflags::SetUsageMessage(
       "fkserve --socket=<handoff socket> serve --root=<dir>\n"
@@ -194,108 +215,36 @@ int main(int argc, char** argv) {
       "fkserve install-tools <dir>   (the launcher, its fusermount and libraries, for another image)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   fusekeeper::HandleStopSignals(ExitOnStopSignal, /*restart=*/true);
-  if (mode.empty()) return Fail(2, gflags::ProgramUsage());
-  if (mode == "install-tools") {
-    if (mode_arg.empty()) return Fail(2, "install-tools needs a directory");
-    std::string loader;
-    if (auto s = fusekeeper::InstallToolsBlocking(mode_arg, &loader); !s.ok()) return Fail(1, std::string(s.message()));
-    printf("installed in %s: run %s/lib/%s --library-path %s/lib %s/fkserve --fusermount=%s/fkserve-fusermount "
-           "--preload=%s/libfkserve_preload.so ...\n",
-           mode_arg.c_str(), mode_arg.c_str(), loader.c_str(), mode_arg.c_str(), mode_arg.c_str(), mode_arg.c_str(),
-           mode_arg.c_str());
-    return 0;
-  }
-  if (mode == "ready") {
+  if (cmd.mode.empty()) return Fail(2, gflags::ProgramUsage());
+  if (cmd.mode == "install-tools") return InstallTools(cmd.mode_arg);
+  if (cmd.mode == "ready") {
     if (FLAGS_ready_file.empty()) return Fail(2, "ready needs --ready_file");
     if (access(FLAGS_ready_file.c_str(), F_OK) == 0) return 0;
     return Fail(1, absl::StrCat("not serving yet (no ", FLAGS_ready_file, ")"));
   }
-  if (mode != "serve" && mode != "launch") return Fail(2, absl::StrCat("unknown mode '", mode, "'"));
-  if (FLAGS_socket.empty()) return Fail(2, "--socket is required");
-  if (mode == "serve" && FLAGS_root.empty()) return Fail(2, "serve needs --root=<directory to export>");
-  if (auto s = fusekeeper::CheckDurability(FLAGS_durability); !s.ok()) return Fail(2, std::string(s.message()));
-  if (FLAGS_init_timeout_ms < 0 || FLAGS_program_stall_ms < 0) {
-    return Fail(2, "--init_timeout_ms and --program_stall_ms must be >= 0 (0: no bound)");
-  }
+  if (const std::string bad = CheckServingFlags(cmd.mode); !bad.empty()) return Fail(2, bad);
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
-  absl::StatusOr<UniqueFd> connected = fusekeeper::ConnectToAgentBlocking(
+  absl::StatusOr<UniqueFd> sock = fusekeeper::ConnectToAgentBlocking(
       FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid), std::chrono::milliseconds(FLAGS_socket_wait_ms),
       [](const std::string& why) { fprintf(stderr, "fkserve: %s\n", why.c_str()); });
-  if (!connected.ok()) return Fail(3, std::string(connected.status().message()));
-  UniqueFd sock = std::move(*connected);
+  if (!sock.ok()) return Fail(3, std::string(sock.status().message()));
   // `serve` replays the first server's INIT; a relayed `launch` carries on from the relay state
   // the launcher before it deposited with the agent. Any other live connection is refused for a
   // fresh one.
   absl::StatusOr<fusekeeper::Handoff> handoff =
-      fusekeeper::ReceiveHandoffBlocking(sock.get(), mode, [&](const fusekeeper::Handoff& h) {
-        return (mode == "serve" && !h.config.init.empty()) ||
-               (mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid());
+      fusekeeper::ReceiveHandoffBlocking(sock->get(), cmd.mode, [&](const fusekeeper::Handoff& h) {
+        return (cmd.mode == "serve" && !h.config.init.empty()) ||
+               (cmd.mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid());
       });
   if (!handoff.ok()) return Fail(4, std::string(handoff.status().message()));
-  const fusekeeper::MountConfig* config = &handoff->config;
-  fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", config->volume_id.c_str(), mode.c_str(),
-          config->live ? ", adopting the live connection" : "");
-
-  if (mode == "launch") {
-    fusekeeper::LaunchOptions lo;
-    lo.program = program;
-    lo.socket_path = FLAGS_socket;
-    lo.agent_uid = static_cast<uid_t>(FLAGS_agent_uid);
-    lo.read_only = config->read_only;
-    const char* tmpdir = getenv("TMPDIR");
-    lo.work_dirs = {FLAGS_work_dir, tmpdir != nullptr ? tmpdir : "", "/tmp",
-                    FLAGS_socket.substr(0, FLAGS_socket.rfind('/'))};
-    // Beside fkserve unless told (fkserve run through its own loader from a tools directory:
-    // /proc/self/exe is then the loader, so the webhook's sidecar passes both).
-    char self[PATH_MAX];
-    const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    const std::string exe = len > 0 ? std::string(self, static_cast<size_t>(len)) : "";
-    const std::string dir = exe.substr(0, exe.rfind('/') + 1);
-    lo.fusermount = FLAGS_fusermount == "auto" ? dir + "fkserve-fusermount" : FLAGS_fusermount;
-    if (access(lo.fusermount.c_str(), X_OK) != 0) {
-      fprintf(stderr, "fkserve: no %s: a program given {mountpoint} will find no fusermount of fkserve's "
-              "(set --fusermount)\n", lo.fusermount.c_str());
-    }
-    lo.preload = FLAGS_preload == "auto" ? dir + "libfkserve_preload.so" : FLAGS_preload;
-    if (!lo.preload.empty() && access(lo.preload.c_str(), R_OK) != 0) {
-      fprintf(stderr, "fkserve: no %s: programs that exec the system's fusermount by its absolute path "
-              "(libfuse) will not find fkserve's (set --preload)\n", lo.preload.c_str());
-      lo.preload.clear();
-    }
-    lo.mark_ready = MarkReady;
-    lo.relay = !FLAGS_direct;
-    lo.in_program = FLAGS_in_program;
-    lo.max_restarts = FLAGS_max_restarts;
-    lo.durability = FLAGS_durability;
-    lo.stable_after = std::chrono::milliseconds(FLAGS_restart_window_ms);
-    lo.drain_ms = config->drain_ms;
-    lo.init_timeout = std::chrono::milliseconds(FLAGS_init_timeout_ms);
-    lo.program_stall = std::chrono::milliseconds(FLAGS_program_stall_ms);
-    return fusekeeper::Launch(std::move(sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
+  fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", handoff->config.volume_id.c_str(), cmd.mode.c_str(),
+          handoff->config.live ? ", adopting the live connection" : "");
+  if (cmd.mode == "launch") {
+    const fusekeeper::LaunchOptions lo = LaunchOptionsFromFlags(cmd.program, &handoff->config);
+    return fusekeeper::Launch(std::move(*sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
   }
-
-  fusekeeper::PassthroughOptions options;
-  options.root = FLAGS_root;
-  options.read_only = config->read_only;
-  options.mount_group = config->mount_group;
-  struct stat root_st;
-  if (stat(FLAGS_root.c_str(), &root_st) != 0 || !S_ISDIR(root_st.st_mode)) {
-    fusekeeper::ReplyToAgent(sock.get(), false, absl::StrCat("export root ", FLAGS_root, " is not a directory this server can see"));
-    return Fail(5, absl::StrCat("--root ", FLAGS_root, " is not a directory"));
-  }
-  if (config->live) {
-    options.init_request = config->init;
-    options.live = true;
-  } else {
-    // Read the INIT now, to report it: a successor adopting this connection replays it.
-    auto init = fusekeeper::ReadInitRequest(handoff->fuse.get(), 10000);
-    if (!init.ok()) {
-      fusekeeper::ReplyToAgent(sock.get(), false, std::string(init.status().message()));
-      return Fail(5, std::string(init.status().message()));
-    }
-    options.init_request = std::move(*init);
-  }
-  fusekeeper::ReplyToAgent(sock.get(), true, "", false, config->live ? "" : options.init_request);
-  return Serve(std::move(sock), std::move(handoff->fuse), options, config->drain_ms);
+  return fusekeeper::Serve(std::move(*sock), std::move(*handoff),
+                           {.root = FLAGS_root, .socket_path = FLAGS_socket,
+                            .agent_uid = static_cast<uid_t>(FLAGS_agent_uid), .mark_ready = MarkReady});
 }

@@ -1,0 +1,92 @@
+#include "agent/fkserve/serve.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "agent/fkserve/agent_link.h"
+#include "agent/fkserve/passthrough.h"
+#include "agent/loop/loop.h"
+#include "agent/loop/signals.h"
+
+namespace fusekeeper {
+namespace {
+
+int Fail(int code, const std::string& message) {
+  fprintf(stderr, "fkserve: %s\n", message.c_str());
+  return code;
+}
+
+}  // namespace
+
+int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
+  PassthroughOptions options;
+  options.root = o.root;
+  options.read_only = handoff.config.read_only;
+  options.mount_group = handoff.config.mount_group;
+  struct stat root_st;
+  if (stat(o.root.c_str(), &root_st) != 0 || !S_ISDIR(root_st.st_mode)) {
+    ReplyToAgent(sock.get(), false, absl::StrCat("export root ", o.root, " is not a directory this server can see"));
+    return Fail(5, absl::StrCat("--root ", o.root, " is not a directory"));
+  }
+  if (handoff.config.live) {
+    options.init_request = handoff.config.init;
+    options.live = true;
+  } else {
+    // Read the INIT now, to report it: a successor adopting this connection replays it.
+    auto init = ReadInitRequest(handoff.fuse.get(), 10000);
+    if (!init.ok()) {
+      ReplyToAgent(sock.get(), false, std::string(init.status().message()));
+      return Fail(5, std::string(init.status().message()));
+    }
+    options.init_request = std::move(*init);
+  }
+  ReplyToAgent(sock.get(), true, "", false, handoff.config.live ? "" : options.init_request);
+  BlockSignals({SIGTERM, SIGINT, SIGHUP});
+  // epoll, never the ring: its polls would keep the agent's socket open past a kill -9 (launcher.cc).
+  auto loop = Loop::Create({.epoll_only = "fkserve's loop, so that a killed server's sockets close at once"});
+  if (!loop.ok()) {
+    ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
+    return Fail(5, std::string(loop.status().message()));
+  }
+  UniqueFd stop(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  auto stop_serving = [&stop] {
+    const uint64_t one = 1;
+    (void)!write(stop.get(), &one, sizeof(one));
+  };
+  options.stop_fd = stop.get();
+  // The connection stays open while we serve (and is re-deposited with a restarted agent); its
+  // end (and why) is reported to the agent.
+  AgentLink link(**loop, std::move(sock), UniqueFd(fcntl(handoff.fuse.get(), F_DUPFD_CLOEXEC, 3)),
+                             options.init_request, o.socket_path, o.agent_uid);
+  // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
+  link.set_drain_ms(handoff.config.drain_ms);
+  link.set_on_stop([&](const std::string&) { stop_serving(); });
+  auto signals = SignalWatcher::Create(**loop, {SIGTERM, SIGINT, SIGHUP}, [&](int sig) {
+    if (sig == SIGTERM && link.HoldStop()) return;
+    stop_serving();
+  });
+  if (!signals.ok()) return Fail(5, std::string(signals.status().message()));
+  link.Start();
+  if (o.mark_ready) o.mark_ready(true);
+  absl::Status s;
+  std::thread session([&] {
+    s = ServePassthrough(handoff.fuse.Release(), options);
+    (*loop)->Stop();
+  });
+  (*loop)->Run();
+  session.join();
+  if (o.mark_ready) o.mark_ready(false);
+  link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
+  if (!s.ok()) return Fail(5, std::string(s.message()));
+  return 0;
+}
+
+
+}  // namespace fusekeeper
