@@ -168,6 +168,21 @@ class FakeInstance {
         if (node->children.erase(name_at(0)) == 0) return Reply(h.unique, -ENOENT, "");
         return Reply(h.unique, 0, "");
       }
+      case FUSE_RENAME2: {
+        // Only RENAME_EXCHANGE (of two names in one directory) is needed here.
+        const auto in = relay::Load<fuse_rename2_in>(body);
+        const std::string from = name_at(sizeof(in));
+        const std::string to = name_at(sizeof(in) + from.size() + 1);
+        uint64_t to_ino;
+        if (!Ino(in.newdir, &to_ino) || to_ino != ino || in.flags != RENAME_EXCHANGE) {
+          return Reply(h.unique, -EINVAL, "");
+        }
+        auto a = node->children.find(from);
+        auto b = node->children.find(to);
+        if (a == node->children.end() || b == node->children.end()) return Reply(h.unique, -ENOENT, "");
+        std::swap(a->second, b->second);
+        return Reply(h.unique, 0, "");
+      }
       case FUSE_RENAME: {
         const auto in = relay::Load<fuse_rename_in>(body);
         uint64_t to_ino;

@@ -469,6 +469,58 @@ TEST_F(RelayCoreTest, ARenameJournaledButNeverAnsweredIsNotAppliedTwice) {
   EXPECT_EQ(absl::StrJoin(wires_.logs, "\n").find("lost its path"), std::string::npos) << absl::StrJoin(wires_.logs, "\n");
 }
 
+// A RENAME_EXCHANGE the dead launcher's program did and whose answer it journaled, but the
+// kernel never got: resent, it must not be done again (the names would swap back).
+TEST_F(RelayCoreTest, AnExchangeJournaledButNeverAnsweredIsNotSwappedBack) {
+  disk_.Make(1, "a", false, "was a");
+  disk_.Make(1, "b", false, "was b");
+  Start();
+  Init();
+  Lookup(FUSE_ROOT_ID, "a");
+  Lookup(FUSE_ROOT_ID, "b");
+  fuse_rename2_in in{};
+  in.newdir = FUSE_ROOT_ID;
+  in.flags = RENAME_EXCHANGE;
+  const uint64_t exchange = Send(FUSE_RENAME2, FUSE_ROOT_ID, Bytes(in) + std::string("a\0b\0", 4));
+  Pump();
+  ASSERT_EQ(ErrorOf(ReplyTo(exchange)), 0);
+  wires_.replies.erase(exchange);  // the answer never got out
+  KillLauncher();
+  Start();
+  Pump();
+  ASSERT_FALSE(ReplyTo(exchange).empty());
+  EXPECT_EQ(ErrorOf(ReplyTo(exchange)), 0);
+  const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
+  EXPECT_EQ(Read(ka, Open(ka, O_RDONLY)), "was b") << "swapped once, as the pod was told";
+  EXPECT_EQ(core_.stats().restore_failures, 0u) << absl::StrJoin(wires_.logs, "\n");
+}
+
+// A CREATE whose answer the dead launcher journaled and the kernel never got: the resend gets
+// that answer (the same file, and a handle that works), not EIO.
+TEST_F(RelayCoreTest, ACreateJournaledButNeverAnsweredIsAnsweredWithItsFile) {
+  Start();
+  Init();
+  fuse_create_in in{};
+  in.flags = O_RDWR | O_CREAT | O_EXCL;
+  in.mode = 0644;
+  const uint64_t create = Send(FUSE_CREATE, FUSE_ROOT_ID, Bytes(in) + std::string("new\0", 4));
+  Pump();
+  ASSERT_EQ(ErrorOf(ReplyTo(create)), 0);
+  wires_.replies.erase(create);  // the answer never got out
+  KillLauncher();
+  Start();
+  Pump();
+  const std::string r = ReplyTo(create);
+  ASSERT_EQ(ErrorOf(r), 0) << absl::StrJoin(wires_.logs, "\n");
+  ASSERT_GE(r.size(), sizeof(fuse_out_header) + sizeof(fuse_entry_out) + sizeof(fuse_open_out));
+  const auto entry = Load<fuse_entry_out>(r.data() + sizeof(fuse_out_header));
+  const auto open = Load<fuse_open_out>(r.data() + sizeof(fuse_out_header) + sizeof(fuse_entry_out));
+  EXPECT_EQ(Lookup(FUSE_ROOT_ID, "new"), entry.nodeid) << "the file the pod was told it made";
+  ASSERT_EQ(ErrorOf(Call(FUSE_WRITE, entry.nodeid, WriteBody(open.fh, 0, "through it"))), 0);
+  EXPECT_EQ(Read(entry.nodeid, open.fh), "through it");
+  EXPECT_EQ(core_.stats().restore_failures, 0u) << absl::StrJoin(wires_.logs, "\n");
+}
+
 TEST_F(RelayCoreTest, ANewLauncherCarriesOnFromTheJournal) {
   const uint64_t dir = disk_.Make(1, "d", true);
   const uint64_t ino = disk_.Make(dir, "f", false, "");

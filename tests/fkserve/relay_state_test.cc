@@ -197,6 +197,43 @@ TEST(StateJournalTest, KeptChangesReadBackInTheirOrder) {
   EXPECT_EQ(Reopen(*j).changes.Find(5), nullptr) << "all durable: nothing kept";
 }
 
+// The replies to non-idempotent requests: the last kKeptAnswers, oldest first, through a
+// compaction too; one whose length is not its header's is refused.
+TEST(StateJournalTest, TheLastAnswersAreKeptInTheirOrder) {
+  auto answer = [](uint64_t unique, size_t body) {
+    std::string r(16 + body, 'a');
+    const uint32_t len = static_cast<uint32_t>(r.size());
+    memcpy(r.data(), &len, 4);
+    memcpy(r.data() + 8, &unique, 8);
+    return r;
+  };
+  auto reply_to = [&](uint64_t u) { return answer(u, u % 7 == 0 ? 144 : 0); };  // some with an entry
+  auto j = *StateJournal::Create();
+  for (uint64_t u = 2; u < 2 + 2 * (kKeptAnswers + 6); u += 2) j->Answer(u, reply_to(u));
+  ASSERT_TRUE(j->Flush());
+  SavedState s = Reopen(*j);
+  ASSERT_EQ(s.answers.size(), kKeptAnswers);
+  EXPECT_EQ(s.answers.front().unique, 2u + 2 * 6);
+  EXPECT_EQ(s.answers.back().unique, 2u * (kKeptAnswers + 6));
+  EXPECT_EQ(s.answers.back().reply, reply_to(2 * (kKeptAnswers + 6)));
+  // What a compaction writes (RelayCore::WriteState: each kept answer again) reads back the same.
+  j->BeginCompaction();
+  for (const SavedAnswer& a : s.answers) j->Answer(a.unique, a.reply);
+  ASSERT_TRUE(j->EndCompaction());
+  const SavedState t = Reopen(*j);
+  ASSERT_EQ(t.answers.size(), kKeptAnswers);
+  EXPECT_EQ(t.answers.front().unique, s.answers.front().unique);
+  uint64_t end;
+  auto k = *StateJournal::Create();
+  std::string wrong = answer(4, 16);
+  wrong[0] = 3;  // its header says 3 bytes
+  k->Answer(4, wrong);
+  ASSERT_TRUE(k->Flush());
+  auto bad = StateJournal::Parse(FileOf(k->fd()), &end);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bad answer record"), std::string::npos) << bad.status();
+}
+
 TEST(StateJournalTest, WhatIsNotAJournalIsRefusedWithAReason) {
   uint64_t end;
   EXPECT_FALSE(StateJournal::Parse("", &end).ok());
@@ -221,6 +258,7 @@ TEST(StateJournalTest, WhatIsNotAJournalIsRefusedWithAReason) {
   good->Synced(4, 3);
   good->Unrepeatable(5, 3);
   good->DropChanges(5);
+  good->Answer(8, std::string("\x10\0\0\0\0\0\0\0\x08\0\0\0\0\0\0\0", 16));
   ASSERT_TRUE(good->Flush());
   const std::string file = FileOf(good->fd());
   std::mt19937 rng(7);

@@ -147,8 +147,12 @@ void RelayCore::FromKernel(char* msg, size_t len) {
   }
   if (r.opcode == FUSE_INIT && init_request_.empty()) init_request_ = r.msg;
   // Sent again after the launcher before this one died: it may have reached a program instance
-  // that did it, so what may have taken effect is looked at first.
-  if ((h.unique & kResendUniqueBit) && IsNonIdempotent(r.opcode)) r.check = true;
+  // that did it. Answered already by a core that died before the kernel got the reply: that
+  // reply. Else what may have taken effect is looked at first.
+  if ((h.unique & kResendUniqueBit) && IsNonIdempotent(r.opcode)) {
+    if (AnswerFromJournal(h.unique)) return;
+    r.check = true;
+  }
   requests_.emplace(h.unique, std::move(r));
   Dispatch(h.unique);
 }
@@ -602,6 +606,7 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
         // Else the table has the old name no more: the core that died journaled this RENAME's
         // effect before the kernel got its answer. Applied again, the file now under the new
         // name would be taken for one the RENAME replaced, and lose its path.
+        RememberAnswer(unique, ErrorReply(unique, 0).data(), kOutHeader);
         Reply(ErrorReply(unique, 0).data(), kOutHeader);
         Complete(unique);
         return;
@@ -624,6 +629,7 @@ void RelayCore::OnCheckReply(uint64_t unique, const char* msg, size_t len) {
           return;
         }
         Store<uint64_t>(reply.data() + offsetof(fuse_out_header, unique), unique);
+        RememberAnswer(unique, reply.data(), reply.size());
         Reply(reply.data(), reply.size());
         Complete(unique);
         return;
@@ -696,6 +702,7 @@ void RelayCore::WriteState() {
     for (uint64_t kfh : n.unsynced_handles) journal_->Unrepeatable(kid, kfh);
     for (const Change& c : n.changes) journal_->Change(kid, c.kfh, c.msg, c.durable);
   }
+  for (const SavedAnswer& a : answers_) journal_->Answer(a.unique, a.reply);
 }
 
 SavedState RelayCore::SaveForTest() const {
@@ -709,6 +716,7 @@ SavedState RelayCore::SaveForTest() const {
   });
   for (const auto& [kfh, h] : handles_) s.handles[kfh] = SavedHandleOf(h);
   s.changes = changes_;
+  s.answers = answers_;
   return s;
 }
 
@@ -733,6 +741,7 @@ void RelayCore::Restore(const SavedState& s) {
   }
   nodes_.Restore(s.nodes, handle_kids);
   changes_ = s.changes;
+  answers_ = s.answers;
   ApplyDeath();  // the program died with the launcher
 }
 
@@ -1081,8 +1090,32 @@ void RelayCore::FromProgram(char* msg, size_t len, bool truncated) {
                            "): if the program dies, it cannot be reopened (ESTALE)"));
   }
   ++stats_.program_answers_since_start;
+  if (IsNonIdempotent(r.opcode)) RememberAnswer(h.unique, msg, len);
   Reply(msg, len);
   Complete(h.unique);
+}
+
+void RelayCore::RememberAnswer(uint64_t unique, const char* reply, size_t len) {
+  if (journal_ == nullptr || len > 4096) return;
+  const uint64_t base = unique & ~kResendUniqueBit;
+  answers_.push_back(SavedAnswer{base, std::string(reply, len)});
+  if (answers_.size() > kKeptAnswers) answers_.pop_front();
+  journal_->Answer(base, answers_.back().reply);  // flushed before the reply is written (ToKernel)
+}
+
+bool RelayCore::AnswerFromJournal(uint64_t unique) {
+  const uint64_t base = unique & ~kResendUniqueBit;
+  for (const SavedAnswer& a : answers_) {
+    if (a.unique != base) continue;
+    std::string reply = a.reply;
+    Store<uint64_t>(reply.data() + offsetof(fuse_out_header, unique), unique);
+    ++stats_.done_by_dead;
+    out_->Log(absl::StrCat("relay: ", unique, " was answered by the relay that died, before the kernel got the "
+                           "answer: answered again, not done twice"));
+    Reply(reply.data(), reply.size());
+    return true;
+  }
+  return false;
 }
 
 bool RelayCore::HeaderOnlyReply(uint64_t unique) const {

@@ -253,6 +253,12 @@ class RelayCore {
   uint64_t next_own_ = 0;
   const Durability durability_;
   ChangeLog changes_;  // kAtSync: what the program answered and may not have stored
+  // The last replies to non-idempotent requests (relay_state.h, SavedAnswer), journaled before
+  // the kernel gets them: a resend of one of those is answered from here.
+  std::deque<SavedAnswer> answers_;
+  void RememberAnswer(uint64_t unique, const char* reply, size_t len);
+  // A resent request the relay before this one answered: answered again, true.
+  bool AnswerFromJournal(uint64_t unique);
   struct Replay {
     uint64_t pfh = 0;   // the relay's own handle, in the current instance
     size_t next = 0;    // the next change to send

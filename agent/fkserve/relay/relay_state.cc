@@ -32,6 +32,7 @@ constexpr uint64_t kMaxJournalBytes = 1ULL << 30;
 constexpr size_t kMaxName = 1024;
 constexpr size_t kWriteHeader = 40 + 40;  // fuse_in_header + fuse_write_in
 constexpr size_t kInHeaderBytes = 40;     // fuse_in_header
+constexpr size_t kOutHeaderBytes = 16;    // fuse_out_header
 
 uint64_t RoundUp(uint64_t v) { return (v + kPage - 1) / kPage * kPage; }
 
@@ -219,6 +220,18 @@ absl::StatusOr<SavedState> StateJournal::Parse(absl::string_view file, uint64_t*
         if (type == 'D') s.changes.Drop(kid);
         break;
       }
+      case 'A': {
+        uint64_t unique;
+        if (!r.Get(&unique) || unique == 0 || r.rest().size() < kOutHeaderBytes || r.rest().size() > kPage) {
+          return bad("bad answer record" + at);
+        }
+        uint32_t reply_len;
+        memcpy(&reply_len, r.rest().data(), 4);
+        if (reply_len != r.rest().size()) return bad("bad answer record" + at);
+        s.answers.push_back(SavedAnswer{unique, std::string(r.rest())});
+        if (s.answers.size() > kKeptAnswers) s.answers.pop_front();
+        break;
+      }
       default:
         return bad(absl::StrCat("unknown record type ", static_cast<int>(type), at));
     }
@@ -320,6 +333,12 @@ void StateJournal::Change(uint64_t kid, uint64_t kfh, absl::string_view request,
   Put(&a, kfh);
   Put<uint8_t>(&a, durable ? 1 : 0);
   Record('C', a, request);
+}
+
+void StateJournal::Answer(uint64_t unique, absl::string_view reply) {
+  std::string a;
+  Put(&a, unique);
+  Record('A', a, reply);
 }
 
 void StateJournal::Unrepeatable(uint64_t kid, uint64_t kfh) {

@@ -12,8 +12,12 @@
 // What is kept: the kernel's FUSE_INIT and the max_write it was promised; each node the kernel
 // holds (kid, parent, name, kernel lookup count); each open handle (node, open flags, whether it
 // wrote); and the ChangeLog (change_log.h: per node, the changes a program like s3fs holds until
-// it syncs), as the operations made on it, which Parse makes again. Requests in flight are not:
-// the kernel resends them.
+// it syncs), as the operations made on it, which Parse makes again; and the last kKeptAnswers
+// replies to non-idempotent requests (CREATE, MKDIR, RENAME...), as the kernel was to get them.
+// Requests in flight are not: the kernel resends them, and a resent one whose reply is kept
+// here was done, and journaled, by a relay that died before the kernel got the reply: it is
+// answered with that reply, not done twice (a RENAME_EXCHANGE would swap back, a CREATE would
+// find its own file).
 //
 // Layout: a header page at offset 0 ("FKRELAY1", u64 start of the log), then records from
 // `start`: u32 length (type + payload), u32 check (FNV-1a of offset, length, type and the first
@@ -29,6 +33,7 @@
 
 #include <stdint.h>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,12 +60,23 @@ struct SavedHandle {
   bool written = false;  // a WRITE went through it since it was opened
 };
 
+// A reply to a non-idempotent request, as the kernel was to get it (`unique` without the resend
+// bit).
+struct SavedAnswer {
+  uint64_t unique = 0;
+  std::string reply;
+};
+// How many are kept: more than the replies that can be journaled and not yet written to the
+// kernel when a relay dies (one per thread of the program, at most).
+inline constexpr size_t kKeptAnswers = 64;
+
 struct SavedState {
   std::string init_request;  // the kernel's FUSE_INIT; empty: not answered yet
   uint32_t max_write = 0;
   std::map<uint64_t, SavedNode> nodes;      // by kid (the root is implied)
   std::map<uint64_t, SavedHandle> handles;  // by kernel fh
   ChangeLog changes;
+  std::deque<SavedAnswer> answers;  // the last kKeptAnswers, oldest first
 };
 
 class StateJournal {
@@ -88,6 +104,8 @@ class StateJournal {
   void Unrepeatable(uint64_t kid, uint64_t kfh);
   void Synced(uint64_t kid, uint64_t kfh);
   void DropChanges(uint64_t kid);
+  // A reply to a non-idempotent request (SavedAnswer), before the kernel gets it.
+  void Answer(uint64_t unique, absl::string_view reply);
 
   // Writes what is buffered. False if the memfd could not take it (the state kept from then on
   // is incomplete: logged once by the caller; the relay goes on).
