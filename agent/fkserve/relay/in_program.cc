@@ -287,14 +287,25 @@ ssize_t InProgram::Write(const iovec* iov, int iovcnt) {
   if (total > 4096 && iovcnt > 0 && iov[0].iov_len >= sizeof(fuse_out_header)) {
     fuse_out_header h;
     memcpy(&h, iov[0].iov_base, sizeof(h));
-    std::lock_guard<std::mutex> lock(mu_);
-    if (h.len == total && h.error == 0 && core_->HeaderOnlyReply(h.unique)) {
-      header_ = h;
-      header_iov_ = iov;
-      header_iovcnt_ = iovcnt;
-      core_->FromProgram(reinterpret_cast<char*>(&header_), total);
-      header_iov_ = nullptr;
-      AfterCore();
+    bool taken = false, due = false;
+    fuse_out_header out{};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (h.len == total && h.error == 0 && core_->HeaderOnlyReply(h.unique)) {
+        taken = true;
+        header_ = h;
+        header_iov_ = iov;
+        header_iovcnt_ = iovcnt;
+        core_->FromProgram(reinterpret_cast<char*>(&header_), total);
+        header_iov_ = nullptr;
+        due = header_due_;
+        header_due_ = false;
+        out = header_;
+        AfterCore();
+      }
+    }
+    if (taken) {
+      if (due) WriteReply(out, iov, iovcnt);
       return static_cast<ssize_t>(total);
     }
   }
@@ -425,29 +436,40 @@ void InProgram::ToKernel(const char* data, size_t len) {
       if (n < 0) scratch.Drain();
     }
   } else if (data == reinterpret_cast<const char*>(&header_) && header_iov_ != nullptr) {
-    // The header as the core left it, then the program's data after its own header.
-    std::vector<iovec> out;
-    out.reserve(header_iovcnt_ + 1);
-    out.push_back({&header_, sizeof(header_)});
-    size_t skip = sizeof(fuse_out_header);
-    for (int i = 0; i < header_iovcnt_; ++i) {
-      const size_t l = header_iov_[i].iov_len;
-      if (skip >= l) {
-        skip -= l;
-        continue;
-      }
-      out.push_back({static_cast<char*>(header_iov_[i].iov_base) + skip, l - skip});
-      skip = 0;
-    }
-    do {
-      n = syscall(SYS_writev, kernel_.get(), out.data(), static_cast<int>(out.size()));
-    } while (n < 0 && errno == EINTR);
+    // Written by the replying thread after the mutex (Write, WriteReply).
+    header_due_ = true;
+    return;
   } else {
     do {
       n = RawWrite(kernel_.get(), data, len);
     } while (n < 0 && errno == EINTR);
   }
   if (n < 0 && errno == ENODEV) ended_ = true;
+}
+
+void InProgram::WriteReply(const fuse_out_header& header, const iovec* iov, int iovcnt) {
+  // The header as the core left it, then the program's data after its own header.
+  thread_local std::vector<iovec> out;
+  out.clear();
+  out.push_back({const_cast<fuse_out_header*>(&header), sizeof(header)});
+  size_t skip = sizeof(fuse_out_header);
+  for (int i = 0; i < iovcnt; ++i) {
+    const size_t l = iov[i].iov_len;
+    if (skip >= l) {
+      skip -= l;
+      continue;
+    }
+    out.push_back({static_cast<char*>(iov[i].iov_base) + skip, l - skip});
+    skip = 0;
+  }
+  ssize_t n;
+  do {
+    n = syscall(SYS_writev, kernel_.get(), out.data(), static_cast<int>(out.size()));
+  } while (n < 0 && errno == EINTR);
+  if (n < 0 && errno == ENODEV) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ended_ = true;
+  }
 }
 
 void InProgram::ToProgram(const iovec* iov, int iovcnt) {

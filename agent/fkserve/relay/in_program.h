@@ -91,6 +91,8 @@ class InProgram final : public RelayOutput {
   ssize_t Pop(void* buf, size_t count);  // mu_ held
   void FromKernel(char* msg, size_t len);  // mu_ held: a request into the core
   void AfterCore();                       // mu_ held: the launcher's report, the pulse
+  // A READ's reply the core answered with `header`: written with the program's data, without mu_.
+  void WriteReply(const fuse_out_header& header, const iovec* iov, int iovcnt);
 
   int program_fd_ = -1;
   UniqueFd kernel_;   // our own dup of the connection (non-blocking)
@@ -110,10 +112,13 @@ class InProgram final : public RelayOutput {
   char* direct_ = nullptr;
   size_t direct_cap_ = 0, direct_len_ = 0;
   // A READ's reply: the core is given its header only (RelayCore::HeaderOnlyReply); the data
-  // goes to the kernel from the program's own iovecs.
+  // goes to the kernel from the program's own iovecs, written by the replying thread once it has
+  // let go of the mutex (header_due_: the core answered with header_), so that the copies of
+  // several threads' replies into the kernel overlap, as on the program's own connection.
   fuse_out_header header_{};
   const iovec* header_iov_ = nullptr;
   int header_iovcnt_ = 0;
+  bool header_due_ = false;
   // Or a spliced one: the data follows the header in this pipe (SpliceReply); -1 when none.
   int header_pipe_ = -1;
   fuse_out_header spliced_header_{};  // the header as the program wrote it
