@@ -360,20 +360,81 @@ std::optional<ssize_t> InProgram::SpliceReply(int pipe, size_t len) {
     scratch.Drain();
     return std::nullopt;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (h.len != len || h.error != 0 || !core_->HeaderOnlyReply(h.unique)) return std::nullopt;
-  header_ = h;
-  spliced_header_ = h;
-  header_pipe_ = pipe;
-  header_pipe_result_ = -2;  // not sent on (answered already, or the instance is going)
-  core_->FromProgram(reinterpret_cast<char*>(&header_), len);
-  header_pipe_ = -1;
-  AfterCore();
-  if (header_pipe_result_ == -2) {
-    Discard(pipe, len);
-    return static_cast<ssize_t>(len);
+  fuse_out_header out{};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (h.len != len || h.error != 0 || !core_->HeaderOnlyReply(h.unique)) return std::nullopt;
+    header_ = h;
+    header_pipe_ = pipe;
+    header_due_ = false;
+    core_->FromProgram(reinterpret_cast<char*>(&header_), len);
+    header_pipe_ = -1;
+    out = header_;
+    AfterCore();
+    if (!header_due_) {
+      // Not sent on (answered already, or the instance is going).
+      Discard(pipe, len);
+      return static_cast<ssize_t>(len);
+    }
+    header_due_ = false;
   }
-  return header_pipe_result_;
+  // Sent after the mutex, as WriteReply: several threads' replies go into the kernel at once.
+  return SendSplicedReply(out, h, pipe, len);
+}
+
+ssize_t InProgram::SendSplicedReply(const fuse_out_header& header, const fuse_out_header& as_written, int pipe,
+                                    size_t len) {
+  ssize_t n;
+  if (memcmp(&header, &as_written, sizeof(header)) == 0) {
+    // The header as the program wrote it: its pipe goes on to the kernel as it is.
+    do {
+      n = RawSplice(pipe, kernel_.get(), len, SPLICE_F_MOVE);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) Discard(pipe, len);
+  } else if (!scratch.Fits(pipe, len)) {
+    // Too large to be put together in a pipe of ours: copied out, the core's header first.
+    thread_local std::vector<char> copy;
+    copy.resize(len);
+    size_t got = 0;
+    while (got < len) {
+      const ssize_t m = RawRead(pipe, copy.data() + got, len - got);
+      if (m < 0 && errno == EINTR) continue;
+      if (m <= 0) break;
+      got += static_cast<size_t>(m);
+    }
+    memcpy(copy.data(), &header, sizeof(header));
+    do {
+      n = RawWrite(kernel_.get(), copy.data(), got);
+    } while (n < 0 && errno == EINTR);
+  } else {
+    // The core's header, then the program's data moved from its pipe: one message, spliced.
+    Discard(pipe, sizeof(fuse_out_header));
+    bool ok = RawWrite(scratch.w, &header, sizeof(header)) == static_cast<ssize_t>(sizeof(header));
+    for (size_t moved = sizeof(header); ok && moved < len;) {
+      const ssize_t m = RawSplice(pipe, scratch.w, len - moved, SPLICE_F_MOVE);
+      if (m < 0 && errno == EINTR) continue;
+      ok = m > 0;
+      if (ok) moved += static_cast<size_t>(m);
+    }
+    if (!ok) {
+      // The scratch pipe could not take it: the kernel gets an error for this request.
+      scratch.Drain();
+      fuse_out_header e = header;
+      e.len = sizeof(e);
+      e.error = -EIO;
+      (void)!RawWrite(kernel_.get(), &e, sizeof(e));
+      return static_cast<ssize_t>(len);
+    }
+    do {
+      n = RawSplice(scratch.r, kernel_.get(), len, SPLICE_F_MOVE);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) scratch.Drain();
+  }
+  if (n < 0 && errno == ENODEV) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ended_ = true;
+  }
+  return n;
 }
 
 void InProgram::ToKernel(const char* data, size_t len) {
@@ -385,65 +446,15 @@ void InProgram::ToKernel(const char* data, size_t len) {
     }
     return;
   }
-  ssize_t n;
-  if (data == reinterpret_cast<const char*>(&header_) && header_pipe_ >= 0 &&
-      memcmp(&header_, &spliced_header_, sizeof(header_)) == 0) {
-    // The header as the program wrote it: its pipe goes on to the kernel as it is.
-    do {
-      n = RawSplice(header_pipe_, kernel_.get(), len, SPLICE_F_MOVE);
-    } while (n < 0 && errno == EINTR);
-    header_pipe_result_ = n;
-    if (n < 0) Discard(header_pipe_, len);
-  } else if (data == reinterpret_cast<const char*>(&header_) && header_pipe_ >= 0 && !scratch.Fits(header_pipe_, len)) {
-    // Too large to be put together in a pipe of ours: copied out, the core's header first.
-    thread_local std::vector<char> copy;
-    copy.resize(len);
-    size_t got = 0;
-    while (got < len) {
-      const ssize_t m = RawRead(header_pipe_, copy.data() + got, len - got);
-      if (m < 0 && errno == EINTR) continue;
-      if (m <= 0) break;
-      got += static_cast<size_t>(m);
-    }
-    memcpy(copy.data(), &header_, sizeof(header_));
-    do {
-      n = RawWrite(kernel_.get(), copy.data(), got);
-    } while (n < 0 && errno == EINTR);
-    header_pipe_result_ = n;
-  } else if (data == reinterpret_cast<const char*>(&header_) && header_pipe_ >= 0) {
-    // The core's header, then the program's data moved from its pipe: one message, spliced.
-    Discard(header_pipe_, sizeof(fuse_out_header));
-    bool ok = RawWrite(scratch.w, &header_, sizeof(header_)) == static_cast<ssize_t>(sizeof(header_));
-    for (size_t moved = sizeof(header_); ok && moved < len;) {
-      const ssize_t m = RawSplice(header_pipe_, scratch.w, len - moved, SPLICE_F_MOVE);
-      if (m < 0 && errno == EINTR) continue;
-      ok = m > 0;
-      if (ok) moved += static_cast<size_t>(m);
-    }
-    if (!ok) {
-      // The scratch pipe could not take it: the kernel gets an error for this request.
-      scratch.Drain();
-      fuse_out_header e = header_;
-      e.len = sizeof(e);
-      e.error = -EIO;
-      n = RawWrite(kernel_.get(), &e, sizeof(e));
-      header_pipe_result_ = static_cast<ssize_t>(len);
-    } else {
-      do {
-        n = RawSplice(scratch.r, kernel_.get(), len, SPLICE_F_MOVE);
-      } while (n < 0 && errno == EINTR);
-      header_pipe_result_ = n;
-      if (n < 0) scratch.Drain();
-    }
-  } else if (data == reinterpret_cast<const char*>(&header_) && header_iov_ != nullptr) {
-    // Written by the replying thread after the mutex (Write, WriteReply).
+  if (data == reinterpret_cast<const char*>(&header_) && (header_pipe_ >= 0 || header_iov_ != nullptr)) {
+    // A READ's reply: sent by the replying thread after the mutex (WriteReply, SendSplicedReply).
     header_due_ = true;
     return;
-  } else {
-    do {
-      n = RawWrite(kernel_.get(), data, len);
-    } while (n < 0 && errno == EINTR);
   }
+  ssize_t n;
+  do {
+    n = RawWrite(kernel_.get(), data, len);
+  } while (n < 0 && errno == EINTR);
   if (n < 0 && errno == ENODEV) ended_ = true;
 }
 

@@ -93,6 +93,8 @@ class InProgram final : public RelayOutput {
   void AfterCore();                       // mu_ held: the launcher's report, the pulse
   // A READ's reply the core answered with `header`: written with the program's data, without mu_.
   void WriteReply(const fuse_out_header& header, const iovec* iov, int iovcnt);
+  // The same for a spliced one (`as_written`: its header in `pipe`); the device's splice result.
+  ssize_t SendSplicedReply(const fuse_out_header& header, const fuse_out_header& as_written, int pipe, size_t len);
 
   int program_fd_ = -1;
   UniqueFd kernel_;   // our own dup of the connection (non-blocking)
@@ -121,8 +123,6 @@ class InProgram final : public RelayOutput {
   bool header_due_ = false;
   // Or a spliced one: the data follows the header in this pipe (SpliceReply); -1 when none.
   int header_pipe_ = -1;
-  fuse_out_header spliced_header_{};  // the header as the program wrote it
-  ssize_t header_pipe_result_ = 0;
 };
 
 }  // namespace fusekeeper::relay
