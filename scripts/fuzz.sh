@@ -22,7 +22,7 @@ build() {  # name sources... -- libs...
   $CXX -o "$out/$name" "$@" $ABSL
 }
 build mountinfo_fuzz tests/fuzz/mountinfo_fuzz.cc agent/mount/mountinfo.cc
-build handoff_fuzz tests/fuzz/handoff_fuzz.cc agent/fuse/handoff_protocol.cc agent/base/fd_passing.cc agent/base/status.cc -lsimdjson
+build handoff_fuzz tests/fuzz/handoff_fuzz.cc agent/fuse/handoff_protocol.cc agent/base/json.cc agent/base/fd_passing.cc agent/base/status.cc -lsimdjson
 build paths_fuzz tests/fuzz/paths_fuzz.cc agent/paths/host_path.cc agent/base/status.cc
 build pod_list_fuzz tests/fuzz/pod_list_fuzz.cc agent/kubelet/pod_list.cc -lsimdjson
 build csi_request_fuzz tests/fuzz/csi_request_fuzz.cc agent/csi/validate.cc agent/csi/redact.cc "$gen/proto/csi.pb.cc" -lprotobuf
@@ -31,7 +31,7 @@ RELAY="agent/fkserve/relay/relay_core.cc agent/fkserve/relay/node_table.cc agent
 build relay_fuzz tests/fuzz/relay_fuzz.cc $RELAY
 build relay_state_fuzz tests/fuzz/relay_state_fuzz.cc $RELAY
 build server_pods_fuzz tests/fuzz/server_pods_fuzz.cc agent/serverpod/api_objects.cc agent/serverpod/pod_manifest.cc \
-  agent/serverpod/server_spec.cc agent/base/sha256.cc agent/fuse/handoff_protocol.cc agent/base/fd_passing.cc agent/base/status.cc \
+  agent/serverpod/server_spec.cc agent/base/sha256.cc agent/fuse/handoff_protocol.cc agent/base/json.cc agent/base/fd_passing.cc agent/base/status.cc \
   "$gen/proto/state.pb.cc" -lprotobuf -lsimdjson -lcrypto
 status=0
 for t in mountinfo handoff paths csi_request pod_list admission relay relay_state server_pods; do

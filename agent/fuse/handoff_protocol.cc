@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "agent/base/json.h"
 #include "agent/base/status.h"
 #include "simdjson.h"
 
@@ -18,17 +19,6 @@ namespace {
 
 absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("handoff message: ", what));
-}
-
-// Length of a valid UTF-8 sequence starting at s[i], or 0 if invalid.
-size_t Utf8Len(absl::string_view s, size_t i) {
-  unsigned char c = static_cast<unsigned char>(s[i]);
-  size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-  if (n == 0 || i + n > s.size()) return 0;
-  for (size_t k = 1; k < n; ++k) {
-    if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return 0;
-  }
-  return n;
 }
 
 void AppendMap(std::string* out, const char* key, const std::map<std::string, std::string>& m) {
@@ -75,31 +65,6 @@ absl::Status ReadStringMap(simdjson::dom::element doc, const char* key,
 }
 
 }  // namespace
-
-std::string JsonQuote(absl::string_view s) {
-  std::string out = "\"";
-  for (size_t i = 0; i < s.size();) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(static_cast<char>(c));
-      ++i;
-    } else if (c < 0x20) {
-      char buf[8];
-      snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-      ++i;
-    } else if (size_t n = Utf8Len(s, i); n > 0) {
-      out.append(s.data() + i, n);
-      i += n;
-    } else {
-      out += "\xEF\xBF\xBD";
-      ++i;
-    }
-  }
-  out.push_back('"');
-  return out;
-}
 
 std::string EncodeHex(absl::string_view bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";

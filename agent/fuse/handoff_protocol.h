@@ -159,9 +159,6 @@ absl::StatusOr<MountConfig> DecodeMountConfig(absl::string_view json);
 std::string EncodeHandoffReply(const HandoffReply& reply);
 absl::StatusOr<HandoffReply> DecodeHandoffReply(absl::string_view json);
 
-// JSON string literal (with quotes) for any bytes; invalid UTF-8 is replaced by U+FFFD.
-std::string JsonQuote(absl::string_view s);
-
 
 // Whether `fd` is a memfd (what a relay state must be: the agent keeps nothing else).
 bool IsMemfd(int fd);

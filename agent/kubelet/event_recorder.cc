@@ -5,7 +5,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "agent/fuse/handoff_protocol.h"  // JsonQuote
+#include "agent/base/json.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {

@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/base/sha256.h"
+#include "agent/base/json.h"
 #include "agent/fuse/handoff_protocol.h"
 
 namespace fusekeeper {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "agent/base/json.h"
 #include "agent/fuse/handoff_protocol.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
