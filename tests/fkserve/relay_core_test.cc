@@ -79,6 +79,16 @@ class RelayCoreTest : public ::testing::Test {
     wires_.to_program.clear();
     Kill();
   }
+  // The program answers `unique`, the relay journals the answer, and dies before the kernel gets
+  // it; a new launcher carries on and the kernel resends.
+  void AnsweredThenLostWithTheLauncher(uint64_t unique) {
+    Pump();
+    ASSERT_EQ(ErrorOf(ReplyTo(unique)), 0);
+    wires_.replies.erase(unique);  // the answer never got out
+    KillLauncher();
+    Start();
+    Pump();
+  }
   void Pump() {
     while (!wires_.to_program.empty()) {
       std::string m = wires_.to_program.front();
@@ -482,12 +492,7 @@ TEST_F(RelayCoreTest, AnExchangeJournaledButNeverAnsweredIsNotSwappedBack) {
   in.newdir = FUSE_ROOT_ID;
   in.flags = RENAME_EXCHANGE;
   const uint64_t exchange = Send(FUSE_RENAME2, FUSE_ROOT_ID, Bytes(in) + std::string("a\0b\0", 4));
-  Pump();
-  ASSERT_EQ(ErrorOf(ReplyTo(exchange)), 0);
-  wires_.replies.erase(exchange);  // the answer never got out
-  KillLauncher();
-  Start();
-  Pump();
+  AnsweredThenLostWithTheLauncher(exchange);
   ASSERT_FALSE(ReplyTo(exchange).empty());
   EXPECT_EQ(ErrorOf(ReplyTo(exchange)), 0);
   const uint64_t ka = Lookup(FUSE_ROOT_ID, "a");
@@ -504,12 +509,7 @@ TEST_F(RelayCoreTest, ACreateJournaledButNeverAnsweredIsAnsweredWithItsFile) {
   in.flags = O_RDWR | O_CREAT | O_EXCL;
   in.mode = 0644;
   const uint64_t create = Send(FUSE_CREATE, FUSE_ROOT_ID, Bytes(in) + std::string("new\0", 4));
-  Pump();
-  ASSERT_EQ(ErrorOf(ReplyTo(create)), 0);
-  wires_.replies.erase(create);  // the answer never got out
-  KillLauncher();
-  Start();
-  Pump();
+  AnsweredThenLostWithTheLauncher(create);
   const std::string r = ReplyTo(create);
   ASSERT_EQ(ErrorOf(r), 0) << absl::StrJoin(wires_.logs, "\n");
   ASSERT_GE(r.size(), sizeof(fuse_out_header) + sizeof(fuse_entry_out) + sizeof(fuse_open_out));
