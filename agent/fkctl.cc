@@ -21,7 +21,7 @@
 #include <map>
 #include <string>
 
-#include "agent/kubelet/event_recorder.h"
+#include "agent/kube/event_recorder.h"
 #include "agent/serverpod/api_objects.h"
 #include "agent/serverpod/pod_manifest.h"
 #include "agent/serverpod/pod_table.h"

@@ -12,9 +12,9 @@
 #include <string>
 
 #include "absl/time/time.h"
-#include "agent/kubelet/http_client.h"
+#include "agent/kube/http_client.h"
 #include "agent/kubelet/pod_list.h"
-#include "agent/kubelet/token_file.h"
+#include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
 

@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "agent/kubelet/event_recorder.h"
-#include "agent/kubelet/http_client.h"
+#include "agent/kube/event_recorder.h"
+#include "agent/kube/http_client.h"
 #include "agent/kubelet/pod_list.h"
-#include "agent/kubelet/token_file.h"
+#include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
 
 namespace fusekeeper {

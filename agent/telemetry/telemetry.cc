@@ -4,7 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "agent/kubelet/event_recorder.h"
+#include "agent/kube/event_recorder.h"
 #include "agent/kubelet/propagation_watch.h"
 #include "agent/serverpod/server_pods.h"
 #include "agent/volume/volume_manager.h"

@@ -106,8 +106,10 @@ class ServerPodsTest : public ApiClientTest {
     if (doc.get_object().get(obj)) return out;
     for (auto [key, pod] : obj) {
       std::string_view name, uid;
-      (void)pod.at_pointer("/metadata/name").get_string().get(name);
-      (void)pod.at_pointer("/metadata/uid").get_string().get(uid);
+      if (pod.at_pointer("/metadata/name").get_string().get(name) ||
+          pod.at_pointer("/metadata/uid").get_string().get(uid)) {
+        continue;  // not a pod the fake API server would hold
+      }
       out[std::string(name)] = std::string(uid);
     }
     return out;

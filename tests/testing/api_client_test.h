@@ -9,8 +9,8 @@
 #include <memory>
 #include <string>
 
-#include "agent/kubelet/event_recorder.h"
-#include "agent/kubelet/http_client.h"
+#include "agent/kube/event_recorder.h"
+#include "agent/kube/http_client.h"
 #include "agent/loop/blocking_pool.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fake_kube.h"

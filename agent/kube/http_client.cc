@@ -1,4 +1,4 @@
-#include "agent/kubelet/http_client.h"
+#include "agent/kube/http_client.h"
 
 #include <curl/curl.h>
 #include <poll.h>

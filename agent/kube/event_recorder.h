@@ -25,24 +25,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "agent/kubelet/http_client.h"
-#include "agent/kubelet/token_file.h"
+#include "agent/kube/api_config.h"
+#include "agent/kube/http_client.h"
+#include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
 
 namespace fusekeeper {
-
-// Where and how to reach the API server (in-cluster config).
-struct KubeApiConfig {
-  std::string base_url;     // https://host:port
-  std::string token_file;   // re-read every minute (projected tokens rotate)
-  std::string ca_file;
-  bool insecure = false;
-};
-
-// From KUBERNETES_SERVICE_HOST/PORT and the service account files under `secrets_dir`
-// (default /var/run/secrets/kubernetes.io/serviceaccount). NOT_FOUND outside a cluster.
-absl::StatusOr<KubeApiConfig> InClusterConfig(const std::string& secrets_dir);
 
 struct EventObject {
   std::string namespace_, name, uid;  // the pod

@@ -1,6 +1,6 @@
 // EventRecorder against the API-server double over real HTTPS: fields, dedup as PATCHes,
 // aggregation, the spam filter, retries, refusals, and a slow server that never stalls the loop.
-#include "agent/kubelet/event_recorder.h"
+#include "agent/kube/event_recorder.h"
 
 #include <fstream>
 #include <future>

@@ -1,4 +1,4 @@
-#include "agent/kubelet/token_file.h"
+#include "agent/kube/token_file.h"
 
 #include <fstream>
 #include <memory>
