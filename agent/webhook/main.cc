@@ -172,6 +172,167 @@ absl::Status PatchCaBundle(const KubeClient& kube, const std::string& config, co
 
 std::atomic<bool> g_stop{false};
 
+// The flags that make the policy: INVALID_ARGUMENT naming the flag.
+absl::Status PolicyFromFlags(Policy* policy) {
+  policy->driver = FLAGS_driver_name;
+  policy->server.image = FLAGS_default_server_image;
+  policy->server.uid = FLAGS_default_server_uid;
+  policy->server.cpu_request = FLAGS_default_server_cpu_request;
+  policy->server.memory_request = FLAGS_default_server_memory_request;
+  policy->server.memory_limit = FLAGS_default_server_memory_limit;
+  const nlohmann::json args = nlohmann::json::parse(FLAGS_default_server_args, nullptr, false);
+  bool ok = args.is_array();
+  for (const auto& a : args) ok = ok && a.is_string();
+  if (!ok) return absl::InvalidArgumentError("--default_server_args must be a JSON array of strings");
+  policy->server.args = args.get<std::vector<std::string>>();
+  if (FLAGS_tls_cert_file.empty() != FLAGS_tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert_file and --tls_key_file go together (or neither: the webhook makes its own)");
+  }
+  if (FLAGS_native_sidecars != "auto" && FLAGS_native_sidecars != "true" && FLAGS_native_sidecars != "false") {
+    return absl::InvalidArgumentError("--native_sidecars must be auto, true or false");
+  }
+  return absl::OkStatus();
+}
+
+// --native_sidecars=auto asks the API server's version.
+bool NativeSidecars(const KubeClient* kube) {
+  if (FLAGS_native_sidecars != "auto") return FLAGS_native_sidecars == "true";
+  absl::StatusOr<bool> native = kube ? HasNativeSidecars(*kube) : absl::UnavailableError("no API server (--kube_api)");
+  LOG_IF(WARNING, !native.ok()) << "cannot tell whether the cluster runs native sidecars (" << native.status()
+                                << "); server injection is refused until the webhook restarts or "
+                                   "--native_sidecars is set";
+  LOG_IF(INFO, native.ok()) << "native sidecars: " << (*native ? "yes" : "no (Kubernetes < 1.29): server injection is refused");
+  return native.ok() && *native;
+}
+
+// Keeps the serving certificate fresh on a thread of its own: renewed files (a cert-manager Secret
+// update) served from the next handshake on; or, with its own CA, a certificate renewed at two
+// thirds of its validity and the webhook configuration's caBundle kept in step.
+class CertRenewer {
+ public:
+  // INVALID_ARGUMENT / INTERNAL if no certificate can be served at all.
+  absl::Status Start(CertStore& certs, const KubeClient* kube) {
+    if (!FLAGS_tls_cert_file.empty()) {
+      if (auto s = LoadFiles(certs); !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("--tls_cert_file/--tls_key_file: ", s.message()));
+      }
+      thread_ = std::thread([this, &certs] { WatchFiles(certs); });
+      return absl::OkStatus();
+    }
+    const std::string svc = absl::StrCat(FLAGS_service_name, ".", FLAGS_namespace, ".svc");
+    const std::vector<std::string> names = {svc, svc + ".cluster.local", absl::StrCat(FLAGS_service_name, ".", FLAGS_namespace)};
+    auto ca = MakeCa(absl::StrCat("fusekeeper-webhook-ca.", FLAGS_namespace), absl::Hours(24 * 365 * 5));
+    const absl::Duration validity = absl::Hours(FLAGS_cert_validity_hours);
+    auto serving = ca.ok() ? IssueServing(*ca, names, validity) : ca.status();
+    if (!serving.ok() || !certs.Set(serving->cert_pem, serving->key_pem).ok()) {
+      return absl::InternalError(absl::StrCat("making the webhook's own certificate: ", serving.status().message()));
+    }
+    LOG(INFO) << "serving its own certificate for " << svc;
+    thread_ = std::thread([this, &certs, kube, ca = *ca, names, validity] { KeepOwn(certs, kube, ca, names, validity); });
+    return absl::OkStatus();
+  }
+  // Ends the thread (under its mutex: a wake-up between its check and its wait is not lost).
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      g_stop = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  ~CertRenewer() { Stop(); }
+
+ private:
+  void WatchFiles(CertStore& certs) {
+    auto seen = std::make_pair(FileVersion(FLAGS_tls_cert_file), FileVersion(FLAGS_tls_key_file));
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(FLAGS_cert_reload_period_ms), [] { return g_stop.load(); })) {
+      const auto now = std::make_pair(FileVersion(FLAGS_tls_cert_file), FileVersion(FLAGS_tls_key_file));
+      if (now == seen) continue;
+      seen = now;
+      absl::Status s = LoadFiles(certs);
+      LOG_IF(INFO, s.ok()) << "serving the renewed certificate from " << FLAGS_tls_cert_file;
+      LOG_IF(WARNING, !s.ok()) << "renewed certificate files not usable yet: " << s;
+    }
+  }
+  void KeepOwn(CertStore& certs, const KubeClient* kube, const KeyAndCert& ca, const std::vector<std::string>& names,
+               absl::Duration validity) {
+    bool bundle_done = FLAGS_webhook_config_name.empty() || kube == nullptr;
+    LOG_IF(WARNING, !FLAGS_webhook_config_name.empty() && kube == nullptr)
+        << "no API server: the caBundle of " << FLAGS_webhook_config_name << " is not kept in step";
+    absl::Duration retry = absl::Seconds(1);
+    absl::Time renew_at = absl::Now() + validity * 2 / 3;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!g_stop) {
+      if (!bundle_done) {
+        absl::Status s = PatchCaBundle(*kube, FLAGS_webhook_config_name, ca.cert_pem);
+        bundle_done = s.ok();
+        LOG_IF(INFO, s.ok()) << "caBundle of " << FLAGS_webhook_config_name << " set to this webhook's CA";
+        LOG_IF(WARNING, !s.ok()) << "setting the caBundle of " << FLAGS_webhook_config_name << ": " << s
+                                 << "; retrying in " << retry;
+        if (!s.ok()) retry = std::min(retry * 2, absl::Seconds(60));
+      }
+      if (absl::Now() >= renew_at) {
+        auto renewed = IssueServing(ca, names, validity);
+        if (renewed.ok() && certs.Set(renewed->cert_pem, renewed->key_pem).ok()) {
+          LOG(INFO) << "serving certificate renewed";
+          renew_at = absl::Now() + validity * 2 / 3;
+        }
+      }
+      const absl::Duration wait = bundle_done ? std::min(absl::Minutes(10), renew_at - absl::Now()) : retry;
+      cv_.wait_for(lock, absl::ToChronoMilliseconds(std::max(wait, absl::Seconds(1))), [] { return g_stop.load(); });
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::thread thread_;
+};
+
+// The HTTPS server: TLS from `certs` at each handshake, /mutate and /healthz.
+void SetUpServer(httplib::SSLServer& server, const Policy& policy, const ClaimResolver& resolve) {
+  server.set_payload_max_length(static_cast<size_t>(FLAGS_max_request_bytes));
+  // Answers go out at once: with Nagle on, a response split into header and body writes waits
+  // for the client's delayed ACK (40 ms per review, measured).
+  server.set_tcp_nodelay(true);
+  // The API server keeps its connections: a TLS handshake costs ~3.5 ms, a review ~0.13 ms.
+  server.set_keep_alive_max_count(1000);
+  server.set_keep_alive_timeout(30);
+  server.set_read_timeout(std::chrono::seconds(10));
+  server.set_write_timeout(std::chrono::seconds(10));
+  server.Post("/mutate", [&policy, &resolve](const httplib::Request& req, httplib::Response& res) {
+    const absl::Time start = absl::Now();
+    HttpAnswer a = Review(req.body, policy, resolve);
+    res.status = a.status;
+    res.set_content(a.body, a.content_type.c_str());
+    VLOG(1) << "review of " << req.body.size() << " bytes -> " << a.status << " in " << (absl::Now() - start);
+    LOG_IF(WARNING, a.status != 200) << "refused a review: " << a.body;
+  });
+  server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
+  server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (res.status == 413) res.set_content("fusekeeper webhook: the request is too large\n", "text/plain");
+  });
+}
+
+// Binds --listen (port 0: any); the port, or -1. With --port_file, the port is written there.
+int Bind(httplib::SSLServer& server, const std::string& host, int port) {
+  if (port == 0) {
+    port = server.bind_to_any_port(host);  // -1 on failure
+  } else if (!server.bind_to_port(host.c_str(), port)) {
+    port = -1;
+  }
+  if (port > 0 && !FLAGS_port_file.empty()) {
+    const std::string tmp = FLAGS_port_file + ".tmp";
+    if (FILE* f = fopen(tmp.c_str(), "we"); f != nullptr) {
+      fprintf(f, "%d", port);
+      fclose(f);
+      rename(tmp.c_str(), FLAGS_port_file.c_str());
+    }
+  }
+  return port;
+}
+
 int Main() {
   // SIGTERM/SIGINT are taken by one thread (sigwait), not a handler: stopping the server is not
   // async-signal-safe. Blocked before any thread starts, so every thread inherits the mask.
@@ -181,28 +342,8 @@ int Main() {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   Policy policy;
-  policy.driver = FLAGS_driver_name;
-  policy.server.image = FLAGS_default_server_image;
-  policy.server.uid = FLAGS_default_server_uid;
-  policy.server.cpu_request = FLAGS_default_server_cpu_request;
-  policy.server.memory_request = FLAGS_default_server_memory_request;
-  policy.server.memory_limit = FLAGS_default_server_memory_limit;
-  {
-    const nlohmann::json args = nlohmann::json::parse(FLAGS_default_server_args, nullptr, false);
-    bool ok = args.is_array();
-    for (const auto& a : args) ok = ok && a.is_string();
-    if (!ok) {
-      LOG(ERROR) << "--default_server_args must be a JSON array of strings";
-      return 2;
-    }
-    policy.server.args = args.get<std::vector<std::string>>();
-  }
-  if (FLAGS_tls_cert_file.empty() != FLAGS_tls_key_file.empty()) {
-    LOG(ERROR) << "--tls_cert_file and --tls_key_file go together (or neither: the webhook makes its own)";
-    return 2;
-  }
-  if (FLAGS_native_sidecars != "auto" && FLAGS_native_sidecars != "true" && FLAGS_native_sidecars != "false") {
-    LOG(ERROR) << "--native_sidecars must be auto, true or false";
+  if (absl::Status s = PolicyFromFlags(&policy); !s.ok()) {
+    LOG(ERROR) << s.message();
     return 2;
   }
   const std::vector<std::string> listen = absl::StrSplit(FLAGS_listen, absl::MaxSplits(':', 1));
@@ -211,87 +352,19 @@ int Main() {
     LOG(ERROR) << "--listen must be host:port or :port, not " << FLAGS_listen;
     return 2;
   }
-
   std::unique_ptr<KubeClient> kube;
   if (!FLAGS_kube_api.empty()) {
     kube = std::make_unique<KubeClient>(KubeClientOptions{.base_url = FLAGS_kube_api,
                                                           .ca_file = FLAGS_kube_secrets_dir + "/ca.crt",
                                                           .token_file = FLAGS_kube_secrets_dir + "/token"});
   }
-  if (FLAGS_native_sidecars == "auto") {
-    absl::StatusOr<bool> native = kube ? HasNativeSidecars(*kube) : absl::UnavailableError("no API server (--kube_api)");
-    policy.native_sidecars = native.ok() && *native;
-    LOG_IF(WARNING, !native.ok()) << "cannot tell whether the cluster runs native sidecars (" << native.status()
-                                  << "); server injection is refused until the webhook restarts or "
-                                     "--native_sidecars is set";
-    LOG_IF(INFO, native.ok()) << "native sidecars: " << (*native ? "yes" : "no (Kubernetes < 1.29): server injection is refused");
-  } else {
-    policy.native_sidecars = FLAGS_native_sidecars == "true";
-  }
-
+  policy.native_sidecars = NativeSidecars(kube.get());
   CertStore certs;
-  std::mutex renew_mu;
-  std::condition_variable renew_cv;
-  std::thread renewer;
-  if (!FLAGS_tls_cert_file.empty()) {
-    if (auto s = LoadFiles(certs); !s.ok()) {
-      LOG(ERROR) << "--tls_cert_file/--tls_key_file: " << s;
-      return 2;
-    }
-    // Renewed files (a cert-manager Secret update) are served from the next handshake on.
-    renewer = std::thread([&] {
-      auto seen = std::make_pair(FileVersion(FLAGS_tls_cert_file), FileVersion(FLAGS_tls_key_file));
-      std::unique_lock<std::mutex> lock(renew_mu);
-      while (!renew_cv.wait_for(lock, std::chrono::milliseconds(FLAGS_cert_reload_period_ms),
-                                [] { return g_stop.load(); })) {
-        const auto now = std::make_pair(FileVersion(FLAGS_tls_cert_file), FileVersion(FLAGS_tls_key_file));
-        if (now == seen) continue;
-        seen = now;
-        absl::Status s = LoadFiles(certs);
-        LOG_IF(INFO, s.ok()) << "serving the renewed certificate from " << FLAGS_tls_cert_file;
-        LOG_IF(WARNING, !s.ok()) << "renewed certificate files not usable yet: " << s;
-      }
-    });
-  } else {
-    const std::string svc = absl::StrCat(FLAGS_service_name, ".", FLAGS_namespace, ".svc");
-    const std::vector<std::string> names = {svc, svc + ".cluster.local", absl::StrCat(FLAGS_service_name, ".", FLAGS_namespace)};
-    auto ca = MakeCa(absl::StrCat("fusekeeper-webhook-ca.", FLAGS_namespace), absl::Hours(24 * 365 * 5));
-    const absl::Duration validity = absl::Hours(FLAGS_cert_validity_hours);
-    auto serving = ca.ok() ? IssueServing(*ca, names, validity) : ca.status();
-    if (!serving.ok() || !certs.Set(serving->cert_pem, serving->key_pem).ok()) {
-      LOG(ERROR) << "making the webhook's own certificate: " << serving.status();
-      return 2;
-    }
-    LOG(INFO) << "serving its own certificate for " << svc;
-    renewer = std::thread([&, ca = *ca, names, validity] {
-      bool bundle_done = FLAGS_webhook_config_name.empty() || kube == nullptr;
-      LOG_IF(WARNING, !FLAGS_webhook_config_name.empty() && kube == nullptr)
-          << "no API server: the caBundle of " << FLAGS_webhook_config_name << " is not kept in step";
-      absl::Duration retry = absl::Seconds(1);
-      absl::Time renew_at = absl::Now() + validity * 2 / 3;
-      std::unique_lock<std::mutex> lock(renew_mu);
-      while (!g_stop) {
-        if (!bundle_done) {
-          absl::Status s = PatchCaBundle(*kube, FLAGS_webhook_config_name, ca.cert_pem);
-          bundle_done = s.ok();
-          LOG_IF(INFO, s.ok()) << "caBundle of " << FLAGS_webhook_config_name << " set to this webhook's CA";
-          LOG_IF(WARNING, !s.ok()) << "setting the caBundle of " << FLAGS_webhook_config_name << ": " << s
-                                   << "; retrying in " << retry;
-          if (!s.ok()) retry = std::min(retry * 2, absl::Seconds(60));
-        }
-        if (absl::Now() >= renew_at) {
-          auto renewed = IssueServing(ca, names, validity);
-          if (renewed.ok() && certs.Set(renewed->cert_pem, renewed->key_pem).ok()) {
-            LOG(INFO) << "serving certificate renewed";
-            renew_at = absl::Now() + validity * 2 / 3;
-          }
-        }
-        const absl::Duration wait = bundle_done ? std::min(absl::Minutes(10), renew_at - absl::Now()) : retry;
-        renew_cv.wait_for(lock, absl::ToChronoMilliseconds(std::max(wait, absl::Seconds(1))), [] { return g_stop.load(); });
-      }
-    });
+  CertRenewer renewer;
+  if (absl::Status s = renewer.Start(certs, kube.get()); !s.ok()) {
+    LOG(ERROR) << s.message();
+    return 2;
   }
-
   httplib::SSLServer server([&certs](SSL_CTX& ctx) {
     SSL_CTX_set_min_proto_version(&ctx, TLS1_2_VERSION);
     SSL_CTX_set_cert_cb(
@@ -308,15 +381,6 @@ int Main() {
     LOG(ERROR) << "cannot set up TLS";
     return 2;
   }
-  server.set_payload_max_length(static_cast<size_t>(FLAGS_max_request_bytes));
-  // Answers go out at once: with Nagle on, a response split into header and body writes waits
-  // for the client's delayed ACK (40 ms per review, measured).
-  server.set_tcp_nodelay(true);
-  // The API server keeps its connections: a TLS handshake costs ~3.5 ms, a review ~0.13 ms.
-  server.set_keep_alive_max_count(1000);
-  server.set_keep_alive_timeout(30);
-  server.set_read_timeout(std::chrono::seconds(10));
-  server.set_write_timeout(std::chrono::seconds(10));
   std::unique_ptr<ClaimLookup> claims;
   if (kube) claims = std::make_unique<ClaimLookup>(*kube, FLAGS_driver_name);
   const ClaimResolver resolve = [&claims](const std::string& ns, const std::vector<std::string>& names) {
@@ -325,45 +389,12 @@ int Main() {
     none.warnings.push_back("fusekeeper: no API server to look up claims with; their mounts were left as written");
     return none;
   };
-  server.Post("/mutate", [&](const httplib::Request& req, httplib::Response& res) {
-    const absl::Time start = absl::Now();
-    HttpAnswer a = Review(req.body, policy, resolve);
-    res.status = a.status;
-    res.set_content(a.body, a.content_type.c_str());
-    VLOG(1) << "review of " << req.body.size() << " bytes -> " << a.status << " in " << (absl::Now() - start);
-    LOG_IF(WARNING, a.status != 200) << "refused a review: " << a.body;
-  });
-  server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
-  server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
-    if (res.status == 413) res.set_content("fusekeeper webhook: the request is too large\n", "text/plain");
-  });
-  // Ends the renewer (under its mutex: a wake-up between its check and its wait is not lost).
-  auto stop_renewer = [&] {
-    {
-      std::lock_guard<std::mutex> lock(renew_mu);
-      g_stop = true;
-    }
-    renew_cv.notify_all();
-    if (renewer.joinable()) renewer.join();
-  };
+  SetUpServer(server, policy, resolve);
   const std::string host = listen[0].empty() ? "0.0.0.0" : listen[0];
-  if (port == 0) {
-    port = server.bind_to_any_port(host);  // -1 on failure
-  } else if (!server.bind_to_port(host.c_str(), port)) {
-    port = -1;
-  }
+  port = Bind(server, host, port);
   if (port <= 0) {
     LOG(ERROR) << "cannot listen on " << FLAGS_listen;
-    stop_renewer();
     return 2;
-  }
-  if (!FLAGS_port_file.empty()) {
-    const std::string tmp = FLAGS_port_file + ".tmp";
-    if (FILE* f = fopen(tmp.c_str(), "we"); f != nullptr) {
-      fprintf(f, "%d", port);
-      fclose(f);
-      rename(tmp.c_str(), FLAGS_port_file.c_str());
-    }
   }
   std::atomic<bool> signalled{false};
   std::thread signals([&] {
@@ -378,7 +409,7 @@ int Main() {
   server.listen_after_bind();
   if (!signalled) kill(getpid(), SIGTERM);  // the server ended on its own: release the signal thread
   signals.join();
-  stop_renewer();
+  renewer.Stop();
   LOG(INFO) << "stopped";
   return 0;
 }
