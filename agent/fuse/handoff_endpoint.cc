@@ -182,12 +182,9 @@ std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd lis
   std::shared_ptr<HandoffEndpoint> e(
       new HandoffEndpoint(loop, std::move(fuse_fd), std::move(config), options, std::move(events)));
   e->AddListener(std::move(listen_fd), "");
-  if (e->fuse_fd_) {
-    e->ArmAbortWatch();
-  } else {
-    e->aborted_ = true;  // no connection to offer (an agent restart lost it): servers wait
-    e->restored_ = true;  // ... unless the serving one re-deposits it
-  }
+  // Without a connection (an agent restart lost it) servers wait, unless the serving one
+  // re-deposits it (the policy starts awaiting that).
+  if (e->fuse_fd_) e->ArmAbortWatch();
   return e;
 }
 
@@ -197,7 +194,8 @@ HandoffEndpoint::HandoffEndpoint(Loop& loop, UniqueFd fuse_fd, MountConfig confi
       fuse_fd_(std::move(fuse_fd)),
       config_(std::move(config)),
       options_(options),
-      events_(std::move(events)) {}
+      events_(std::move(events)),
+      policy_(fuse_fd_.valid()) {}
 
 HandoffEndpoint::~HandoffEndpoint() = default;
 
@@ -219,7 +217,7 @@ void HandoffEndpoint::ReleaseLater(std::unique_ptr<Connection> doomed) {
 }
 
 void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
-  if (stopped_) return;
+  if (policy_.stopped()) return;
   RemoveListener(tag);
   auto l = std::make_unique<Listener>();
   l->fd = std::move(listen_fd);
@@ -230,7 +228,7 @@ void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
     Completed();
     raw->in_flight = false;
     if (res >= 0) {
-      if (stopped_ || raw->closed) {
+      if (policy_.stopped() || raw->closed) {
         close(res);
       } else {
         OnAccepted(res, raw->tag);
@@ -239,9 +237,9 @@ void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
       LOG(WARNING) << "handoff accept for volume " << config_.volume_id
                    << (raw->tag.empty() ? "" : " on " + raw->tag) << ": " << strerror(-res);
     }
-    if (!stopped_ && !raw->closed && res != -ECANCELED && loop_.running()) {
+    if (!policy_.stopped() && !raw->closed && res != -ECANCELED && loop_.running()) {
       ArmAccept(raw);
-    } else if (raw->closed || stopped_) {
+    } else if (raw->closed || policy_.stopped()) {
       // Freed after this callback (its own completion) has returned.
       loop_.Post([self = shared_from_this(), raw] {
         for (auto it = self->listeners_.begin(); it != self->listeners_.end(); ++it) {
@@ -288,7 +286,7 @@ void HandoffEndpoint::RemoveListener(const std::string& tag) {
 }
 
 bool HandoffEndpoint::HasServerFrom(const std::string& tag) const {
-  if (serving_ && serving_connection_ != nullptr && serving_connection_->tag == tag) return true;
+  if (policy_.serving() && serving_connection_ != nullptr && serving_connection_->tag == tag) return true;
   for (const auto& c : standby_) {
     if (c->tag == tag) return true;
   }
@@ -308,7 +306,7 @@ void HandoffEndpoint::ToStandby(Connection* c) {
 }
 
 void HandoffEndpoint::MarkDraining(Connection* c) {
-  if (c != serving_connection_ || c->draining || stopped_) return;
+  if (c != serving_connection_ || c->draining || policy_.stopped()) return;
   c->draining = true;
   LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
             << " was asked to stop and serves on until a successor waits to take over";
@@ -335,7 +333,7 @@ void HandoffEndpoint::RelieveDrainer() {
 
 void HandoffEndpoint::PromoteStandby() {
   // Awaiting a re-deposit (after an agent restart), standbys wait for it or its fallback timer.
-  while (!standby_.empty() && !stopped_ && !serving_ && !restored_) {
+  while (!standby_.empty() && policy_.MayPromoteStandby()) {
     std::unique_ptr<Connection> c = std::move(standby_.front());
     standby_.pop_front();
     // One that hung up while it waited is dropped (nothing reads from it while it waits).
@@ -354,8 +352,8 @@ void HandoffEndpoint::PromoteStandby() {
 }
 
 void HandoffEndpoint::Stop() {
-  if (stopped_) return;
-  stopped_ = true;
+  if (policy_.stopped()) return;
+  policy_.Stop();
   if (standby_fallback_ != 0) loop_.CancelTimer(standby_fallback_);
   standby_fallback_ = 0;
   for (auto& l : listeners_) {
@@ -395,29 +393,33 @@ void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
 }
 
 void HandoffEndpoint::Route(Connection* c) {
-  const std::string tag = c->tag;
-  if (serving_ && !tag.empty() && (serving_connection_ == nullptr || serving_connection_->tag != tag)) {
-    // A server pod's server while another pod's serves (a roll): it waits to take over.
-    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << tag
-              << " waits on standby until the serving server stops";
-    return ToStandby(c);
+  const std::optional<std::string> serving_tag =
+      serving_connection_ != nullptr ? std::optional<std::string>(serving_connection_->tag) : std::nullopt;
+  switch (policy_.RouteArrival(c->tag, serving_tag)) {
+    case HandoffPolicy::Route::kStandby:
+      // A server pod's server while another pod's serves (a roll): it waits to take over.
+      LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << c->tag
+                << " waits on standby until the serving server stops";
+      return ToStandby(c);
+    case HandoffPolicy::Route::kRefuse:
+      return SendOffer(c, /*refuse=*/true, absl::StrCat("volume ", config_.volume_id, " is already being served"));
+    case HandoffPolicy::Route::kAdmit:
+      return Admit(c);
   }
-  if (serving_) {
-    return SendOffer(c, /*refuse=*/true,
-                     absl::StrCat("volume ", config_.volume_id, " is already being served"));
-  }
-  Admit(c);
 }
 
 void HandoffEndpoint::Admit(Connection* c) {
-  if (restored_) return AwaitRedeposit(c);
-  if (aborted_) {
-    // The kept connection is dead; this server gets the fresh one the owner is making.
-    parked_.push_back(TakeConnection(c));
-    if (events_.on_fresh_requested) events_.on_fresh_requested();
-    return;
+  switch (policy_.Admit()) {
+    case HandoffPolicy::Admission::kAwaitRedeposit:
+      return AwaitRedeposit(c);
+    case HandoffPolicy::Admission::kPark:
+      // The kept connection is dead; this server gets the fresh one the owner is making.
+      parked_.push_back(TakeConnection(c));
+      if (events_.on_fresh_requested) events_.on_fresh_requested();
+      return;
+    case HandoffPolicy::Admission::kOffer:
+      return SendOffer(c, /*refuse=*/false, "");
   }
-  SendOffer(c, /*refuse=*/false, "");
 }
 
 void HandoffEndpoint::ArmAbortWatch() {
@@ -435,9 +437,8 @@ void HandoffEndpoint::ArmAbortWatch() {
       watch->in_flight = false;
       if (watch == abort_watch_) {
         abort_watch_ = nullptr;
-        if (res > 0 && (res & (POLLERR | POLLHUP)) && !stopped_) {
-          aborted_ = true;
-          serving_ = false;
+        if (res > 0 && (res & (POLLERR | POLLHUP)) && !policy_.stopped()) {
+          policy_.Aborted();
           serving_connection_ = nullptr;  // its server's end, when it reports it, is no news
           if (abort_expected_) {
             LOG(INFO) << "volume " << config_.volume_id << ": the agent aborted its old FUSE connection";
@@ -445,7 +446,7 @@ void HandoffEndpoint::ArmAbortWatch() {
             LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
           }
           if (events_.on_connection_aborted) events_.on_connection_aborted();
-        } else if (res >= 0 && !stopped_) {
+        } else if (res >= 0 && !policy_.stopped()) {
           ArmAbortWatch();  // woken without an error: keep watching
         }
       }
@@ -460,19 +461,15 @@ void HandoffEndpoint::ArmAbortWatch() {
 }
 
 void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
-  if (stopped_) return;
+  if (policy_.stopped()) return;
   if (abort_watch_ != nullptr) {
     loop_.Cancel(&abort_watch_->completion);  // completes later as a non-current watch
     abort_watch_ = nullptr;
   }
   fuse_fd_ = std::move(fuse_fd);
-  aborted_ = false;
+  policy_.Replaced();
   abort_expected_ = false;
-  restored_ = false;
-  served_ = false;
-  serving_ = false;
   serving_connection_ = nullptr;
-  server_gone_ = false;
   init_record_.clear();
   relay_state_.Reset();  // it describes the connection that is gone
   std::vector<std::unique_ptr<Connection>> waiting = std::move(parked_);
@@ -488,7 +485,7 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
 
 void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   c->refused = refuse;
-  c->live = !refuse && served_;
+  c->live = !refuse && policy_.OfferLive();
   if (refuse) {
     c->out = EncodeHandoffRefusal(why);
   } else {
@@ -521,7 +518,7 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
     Completed();
     if (res < 0) return Finish(c, ErrnoStatus(-res, "sending the handoff to the server"), std::nullopt);
     if (c->refused) return Finish(c, absl::PermissionDeniedError(why), std::nullopt);
-    if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+    if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
     AwaitReply(c);
   };
   io_uring_sqe* sqe = loop_.GetSqe();
@@ -539,7 +536,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
     bool other_control = false;
     if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
     if (res == -ECANCELED) {
-      if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+      if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
       return Finish(c, absl::DeadlineExceededError(absl::StrCat(
                            "the server took the fd but did not answer within ",
                            absl::FormatDuration(options_.reply_timeout))),
@@ -555,7 +552,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
     }
     auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
     if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
-    if (!reply->ok && reply->fresh && c->live && !stopped_) {
+    if (!reply->ok && reply->fresh && c->live && !policy_.stopped()) {
       // Keep the connection: the server waits on it for a fresh connection's config.
       LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
                 << " cannot adopt the live connection and asks for a fresh one";
@@ -589,9 +586,9 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     std::vector<UniqueFd> fds;
     bool other_control = false;
     if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
-    if (stopped_) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+    if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
     if (res == -ECANCELED) {
-      if (!restored_) return Route(c);  // a connection was re-deposited meanwhile (by another server)
+      if (!policy_.awaiting_redeposit()) return Route(c);  // re-deposited meanwhile (by another server)
       if (!c->tag.empty()) {
         // A server pod's server with nothing to re-deposit, after an agent restart: another pod's
         // server (the one a roll replaces) may be serving and about to re-deposit. It waits on
@@ -602,7 +599,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
         if (standby_fallback_ == 0) {
           standby_fallback_ = loop_.AddTimer(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
             standby_fallback_ = 0;
-            if (stopped_ || !restored_ || serving_ || standby_.empty()) return;
+            if (policy_.stopped() || !policy_.awaiting_redeposit() || policy_.serving() || standby_.empty()) return;
             LOG(INFO) << "volume " << config_.volume_id << ": no server re-deposited its connection within "
                       << absl::FormatDuration(options_.standby_redeposit_wait) << "; a server on standby gets a fresh one";
             parked_.push_back(std::move(standby_.front()));
@@ -632,7 +629,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     if (fds.size() != (reply->relay_state ? 2u : 1u) || other_control) {
       why = reply->relay_state ? "a re-deposit with a relay state must carry exactly two fds"
                                : "a re-deposit must carry exactly one fd";
-    } else if (!restored_) {
+    } else if (!policy_.awaiting_redeposit()) {
       why = absl::StrCat("volume ", config_.volume_id, " already has a connection");
     } else {
       why = CheckRedeposited(fds[0].get());
@@ -641,8 +638,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     fuse_fd_ = std::move(fds[0]);
     relay_state_.Reset();
     if (reply->relay_state) KeepRelayState(c, std::move(fds[1]));
-    restored_ = false;
-    aborted_ = false;
+    policy_.Redeposited();
     ++redeposits_;
     init_record_ = reply->init;
     LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
@@ -723,13 +719,13 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
     } else {
       auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
-      if (reply.ok() && reply->ok && reply->draining && !stopped_) {
+      if (reply.ok() && reply->ok && reply->draining && !policy_.stopped()) {
         // Asked to stop, it serves on until a successor waits: not the end either.
         MarkDraining(c);
         ArmServerReceive(c);
         return;
       }
-      if (reply.ok() && !reply->notice.empty() && !stopped_) {
+      if (reply.ok() && !reply->notice.empty() && !policy_.stopped()) {
         // Not the end: pass it on and keep watching.
         if (c == serving_connection_) {
           LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE server reports: " << reply->notice;
@@ -751,9 +747,8 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       // successor took over: nothing about the current server.
       LOG(INFO) << "volume " << config_.volume_id << ": an earlier server's handoff connection ended ("
                 << why.message() << ")";
-    } else if (!stopped_) {
-      server_gone_ = true;
-      serving_ = false;
+    } else if (!policy_.stopped()) {
+      policy_.ServerGone();
       LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
       if (events_.on_server_gone) events_.on_server_gone(why);
       PromoteStandby();
@@ -771,10 +766,8 @@ void HandoffEndpoint::ArmServerReceive(Connection* c) {
 }
 
 void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply) {
-  if (status.ok() && !stopped_) {
-    served_ = true;
-    serving_ = true;
-    server_gone_ = false;
+  if (status.ok() && !policy_.stopped()) {
+    policy_.Served();
     if (c->live) ++adoptions_;
     if (!c->live && !reply->init.empty()) init_record_ = reply->init;
     LOG(INFO) << "volume " << config_.volume_id << " handed to " << c->Peer() << " ("

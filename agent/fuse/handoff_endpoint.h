@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/base/unique_fd.h"
+#include "agent/fuse/handoff_policy.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/loop.h"
 
@@ -132,19 +133,19 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void ExpectAbort() { abort_expected_ = true; }
 
   // Some server has taken the volume since the connection was (re)made.
-  bool served() const { return served_; }
+  bool served() const { return policy_.served(); }
   // A server is serving right now.
-  bool serving() const { return serving_; }
+  bool serving() const { return policy_.serving(); }
   // The kept connection was aborted and not yet replaced.
-  bool aborted() const { return aborted_; }
+  bool aborted() const { return policy_.aborted(); }
   // Servers that took the volume over an already live connection.
   int adoptions() const { return adoptions_; }
   // Draining servers asked to stop because a successor waited.
   int relieved() const { return relieved_; }
   // The server that was serving has gone (see Events::on_server_gone).
-  bool server_gone() const { return server_gone_; }
+  bool server_gone() const { return policy_.server_gone(); }
   // Started without a connection and nothing re-deposited or replaced it yet.
-  bool awaiting_redeposit() const { return restored_; }
+  bool awaiting_redeposit() const { return policy_.awaiting_redeposit(); }
   // Connections servers re-deposited after an agent restart.
   int redeposits() const { return redeposits_; }
   int fuse_fd() const { return fuse_fd_.get(); }
@@ -222,13 +223,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   Connection* serving_connection_ = nullptr;  // the current server's (watched) connection
   std::shared_ptr<HandoffEndpoint> keep_alive_;
   int in_flight_ = 0;
-  bool stopped_ = false;
-  bool served_ = false;
-  bool server_gone_ = false;
-  bool serving_ = false;
-  bool aborted_ = false;
+  HandoffPolicy policy_;  // where servers go, and the state that decides it
   bool abort_expected_ = false;
-  bool restored_ = false;
   int adoptions_ = 0;
   int relieved_ = 0;
   int redeposits_ = 0;
