@@ -25,12 +25,11 @@ AgentLink::AgentLink(Loop& loop, UniqueFd sock, UniqueFd fuse_dup, std::string i
       socket_path_(std::move(socket_path)),
       agent_uid_(agent_uid),
       fuse_dup_(std::move(fuse_dup)),
-      sock_(std::move(sock)) {}
+      sock_(std::move(sock)),
+      drain_timer_(loop),
+      redeposit_timer_(loop) {}
 
-AgentLink::~AgentLink() {
-  loop_.CancelTimer(drain_timer_);
-  loop_.CancelTimer(redeposit_timer_);
-}
+AgentLink::~AgentLink() = default;
 
 void AgentLink::Start() { Watch(); }
 
@@ -73,7 +72,6 @@ void AgentLink::Readable() {
 }
 
 void AgentLink::TryRedeposit() {
-  redeposit_timer_ = 0;
   if (given_up_) return;
   // Non-blocking: an agent whose listen queue is full is one that is not listening yet.
   absl::StatusOr<UniqueFd> s = TryConnectToAgent(socket_path_, agent_uid_, /*nonblocking=*/true);
@@ -101,7 +99,7 @@ void AgentLink::TryRedeposit() {
   }
   // The agent is not listening yet (ENOENT, ECONNREFUSED): it is restarting. A drain goes on
   // meanwhile, to its deadline.
-  redeposit_timer_ = loop_.AddTimer(backoff_, [this] { TryRedeposit(); });
+  redeposit_timer_.Arm(backoff_, [this] { TryRedeposit(); });
   backoff_ = std::min(backoff_ * 2, std::chrono::milliseconds(1000));
 }
 
@@ -115,18 +113,14 @@ bool AgentLink::HoldStop() {
   r.ok = true;
   r.draining = true;
   Send(r, "telling the agent");
-  drain_timer_ = loop_.AddTimer(std::chrono::milliseconds(drain_ms_), [this] {
-    drain_timer_ = 0;
-    StopServing("no successor came within the drain time");
-  });
+  drain_timer_.Arm(std::chrono::milliseconds(drain_ms_), [this] { StopServing("no successor came within the drain time"); });
   return true;
 }
 
 void AgentLink::StopServing(const std::string& why) {
   if (stop_released_) return;
   stop_released_ = true;
-  loop_.CancelTimer(drain_timer_);
-  drain_timer_ = 0;
+  drain_timer_.Cancel();
   fprintf(stderr, "fkserve: stopping: %s\n", why.c_str());
   if (on_stop_) on_stop_(why);
 }

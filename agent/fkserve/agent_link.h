@@ -27,6 +27,7 @@
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/poll_watch.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -80,7 +81,7 @@ class AgentLink {
   UniqueFd relay_state_;
   UniqueFd sock_;
   std::unique_ptr<PollWatch> watch_;
-  TimerId drain_timer_ = 0, redeposit_timer_ = 0;
+  Timer drain_timer_, redeposit_timer_;
   std::chrono::milliseconds backoff_{20};
 };
 

@@ -95,9 +95,7 @@ std::unique_ptr<FusermountService> FusermountService::Start(Loop& loop, const st
   return s;
 }
 
-FusermountService::~FusermountService() {
-  for (auto& [fd, client] : clients_) loop_.CancelTimer(client.timeout);
-}
+FusermountService::~FusermountService() = default;
 
 void FusermountService::OnProblem(std::function<void(const std::string&)> fn) {
   on_problem_ = std::move(fn);
@@ -118,7 +116,8 @@ void FusermountService::Accept() {
     Client& c = clients_[fd];
     c.fd = std::move(conn);
     // A bounded wait for the request: a client that connects and says nothing is dropped.
-    c.timeout = loop_.AddTimer(std::chrono::seconds(5), [this, fd] { Drop(fd); });
+    c.timeout = std::make_unique<Timer>(loop_);
+    c.timeout->Arm(std::chrono::seconds(5), [this, fd] { Drop(fd); });
     c.watch = std::make_unique<PollWatch>(loop_, fd, POLLIN, /*multishot=*/false, [this, fd](int res) {
       if (res > 0) Answer(fd);
       Drop(fd);
@@ -129,8 +128,7 @@ void FusermountService::Accept() {
 void FusermountService::Drop(int conn) {
   auto it = clients_.find(conn);
   if (it == clients_.end()) return;
-  loop_.CancelTimer(it->second.timeout);
-  clients_.erase(it);  // its watch with it (it may be the one running: PollWatch allows that)
+  clients_.erase(it);  // its timer and watch with it (either may be the one running: both allow that)  // its watch with it (it may be the one running: PollWatch allows that)
 }
 
 void FusermountService::Answer(int conn) {

@@ -26,6 +26,7 @@
 #include "agent/fkserve/fusermount_protocol.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/poll_watch.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -64,7 +65,7 @@ class FusermountService {
   struct Client {
     UniqueFd fd;
     std::unique_ptr<PollWatch> watch;
-    TimerId timeout = 0;
+    std::unique_ptr<Timer> timeout;
   };
   explicit FusermountService(Loop& loop) : loop_(loop) {}
   void Accept();

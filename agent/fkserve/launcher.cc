@@ -26,6 +26,7 @@
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/signals.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -66,7 +67,13 @@ std::chrono::milliseconds RestartDelay(int young_deaths) {
 class Launcher {
  public:
   Launcher(Loop& loop, const LaunchOptions& o, UniqueFd sock, UniqueFd fuse_fd)
-      : loop_(loop), o_(o), name_(o.program[0]), sock_(std::move(sock)), fuse_fd_(std::move(fuse_fd)) {}
+      : loop_(loop),
+        o_(o),
+        name_(o.program[0]),
+        sock_(std::move(sock)),
+        fuse_fd_(std::move(fuse_fd)),
+        restart_timer_(loop),
+        grace_timer_(loop) {}
 
   // Sets up the relay (carrying on from `relay_state` if valid) and the first instance; then the
   // loop runs until the launcher is done. Returns fkserve's exit status.
@@ -114,7 +121,7 @@ class Launcher {
   bool stop_requested_ = false, connection_ended_ = false, finished_ = false;
   int restarts_ = 0, young_deaths_ = 0, silent_deaths_ = 0;
   std::chrono::steady_clock::time_point last_start_;
-  TimerId restart_timer_ = 0, grace_timer_ = 0;
+  Timer restart_timer_, grace_timer_;
   // How the last instance ended (or why a restart could not start one).
   std::string end_why_;
   int end_status_ = 0;
@@ -168,8 +175,8 @@ relay::RelayCallbacks Launcher::RelayCallbacks() {
     // The program's socket is closed (it reads end-of-file, as from an unmounted device); one
     // that does not stop by itself is asked to after a grace.
     connection_ended_ = true;
-    if (grace_timer_ != 0) return;
-    grace_timer_ = loop_.AddTimer(std::chrono::seconds(2), [] {
+    if (grace_timer_.armed()) return;
+    grace_timer_.Arm(std::chrono::seconds(2), [] {
       for (pid_t pid : Children()) kill(pid, SIGTERM);
     });
   };
@@ -289,7 +296,7 @@ void Launcher::Stop(int sig) {
     return;
   }
   // Between instances (a restart waits): nothing to stop but the launcher.
-  loop_.CancelTimer(restart_timer_);
+  restart_timer_.Cancel();
   Finish();
 }
 
@@ -420,10 +427,7 @@ void Launcher::InstanceEnded() {
   final_why_ = end_why_;
   if (delay.count() == 0) return Restart();
   inst_.reset();
-  restart_timer_ = loop_.AddTimer(delay, [this] {
-    restart_timer_ = 0;
-    Restart();
-  });
+  restart_timer_.Arm(delay, [this] { Restart(); });
 }
 
 void Launcher::Restart() {

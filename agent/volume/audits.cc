@@ -19,15 +19,13 @@ std::unique_ptr<Audits> Audits::Start(Loop& loop, VolumeManager& volumes, absl::
   } else {
     LOG(WARNING) << "no mount-table change events (" << w.status() << "); recovery relies on the periodic audit";
   }
-  a->timer_ = loop.AddTimer(absl::ToChronoNanoseconds(period), [raw = a.get()] { raw->Periodic(); });
+  a->timer_.Arm(absl::ToChronoNanoseconds(period), [raw = a.get()] { raw->Periodic(); });
   return a;
 }
 
-Audits::~Audits() { loop_.CancelTimer(timer_); }
-
 void Audits::Periodic() {
   volumes_.Audit("periodic audit");
-  timer_ = loop_.AddTimer(absl::ToChronoNanoseconds(period_), [this] { Periodic(); });
+  timer_.Arm(absl::ToChronoNanoseconds(period_), [this] { Periodic(); });
 }
 
 }  // namespace fusekeeper

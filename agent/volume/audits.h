@@ -10,6 +10,7 @@
 
 #include "absl/time/time.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 #include "agent/mount/table_watcher.h"
 #include "agent/volume/volume_manager.h"
 
@@ -21,19 +22,20 @@ class Audits {
   // metrics). Without change events (an old kernel), the periodic audit is all there is, said.
   static std::unique_ptr<Audits> Start(Loop& loop, VolumeManager& volumes, absl::Duration period,
                                        std::function<void()> on_table_change);
-  ~Audits();
+  ~Audits() = default;
   Audits(const Audits&) = delete;
   Audits& operator=(const Audits&) = delete;
 
  private:
-  Audits(Loop& loop, VolumeManager& volumes, absl::Duration period) : loop_(loop), volumes_(volumes), period_(period) {}
+  Audits(Loop& loop, VolumeManager& volumes, absl::Duration period)
+      : loop_(loop), volumes_(volumes), period_(period), timer_(loop) {}
   void Periodic();
 
   Loop& loop_;
   VolumeManager& volumes_;
   const absl::Duration period_;
   std::unique_ptr<MountTableWatcher> watcher_;
-  TimerId timer_ = 0;
+  Timer timer_;
 };
 
 }  // namespace fusekeeper

@@ -1,5 +1,6 @@
 // The reference server end to end: the agent's side (a real FUSE mount and a HandoffEndpoint on
 // the ring) in this process, fkserve as a child process, in a private mount namespace.
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mount.h>
@@ -34,6 +35,23 @@ namespace fs = std::filesystem;
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// Each thread's state letter (R, S, T...) in /proc/<pid>/task/<tid>/stat, in one string.
+std::string ThreadStates(pid_t pid) {
+  std::string out;
+  DIR* d = opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream st("/proc/" + std::to_string(pid) + "/task/" + e->d_name + "/stat");
+    std::string line;
+    std::getline(st, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size()) out.push_back(line[paren + 2]);
+  }
+  closedir(d);
+  return out;
 }
 
 class FkserveTest : public ::testing::Test {
@@ -533,6 +551,16 @@ TEST_F(FkserveTest, ARelayedProgramThatStopsAnsweringIsKilledAndRestartedAndItsR
     pid_t program = 0;
     ASSERT_TRUE(children >> program) << "the launcher's program";
     ASSERT_EQ(kill(program, SIGSTOP), 0);
+    // kill() returns before every thread has stopped; one that still runs may answer the request
+    // below. Stopped means every thread shows T.
+    ASSERT_TRUE(WithDeadline([&] {
+                  while (true) {
+                    std::string states = ThreadStates(program);
+                    if (!states.empty() && states.find_first_not_of("T") == std::string::npos) return true;
+                    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                  }
+                }).has_value())
+        << "the program did not stop: its threads are " << ThreadStates(program);
   }
   const std::string file = mnt_ + "/hello";
   auto answered = WithDeadline([&] {
@@ -548,6 +576,8 @@ TEST_F(FkserveTest, ARelayedProgramThatStopsAnsweringIsKilledAndRestartedAndItsR
   EXPECT_NE(text.find("stopped answering: "), std::string::npos) << text;
   EXPECT_NE(text.find(" request(s) in flight to it and no message from it for"), std::string::npos) << text;
   EXPECT_NE(text.find("the relay restarts it and resends"), std::string::npos) << text;
+  // Its stderr is read on a thread of the test's: the line may trail the agent's notice.
+  EXPECT_TRUE(server_->WaitForStderr("restarting it", 1, std::chrono::milliseconds(20000))) << server_->Stderr();
   EXPECT_EQ(server_->CountInStderr("restarting it"), 1) << server_->Stderr();
   EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
 }
