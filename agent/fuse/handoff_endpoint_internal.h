@@ -1,0 +1,55 @@
+// HandoffEndpoint's private structures, shared by its source files (handoff_endpoint*.cc). Not
+// for other users.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "agent/base/fd_passing.h"
+#include "agent/base/unique_fd.h"
+#include "agent/fuse/handoff_endpoint.h"
+#include "agent/loop/loop.h"
+
+namespace fusekeeper {
+
+// Everything one connection's ring operations point at, kept alive until they all complete.
+struct HandoffEndpoint::Connection {
+  UniqueFd fd;
+  pid_t peer_pid = 0;  // 0: the peer is in another pid namespace (a pod without hostPID)
+  uid_t peer_uid = 0;
+  // Who the peer is, for logs: its pid when this namespace can see it, its uid always.
+  std::string Peer() const {
+    return peer_pid > 0 ? absl::StrCat("server pid ", peer_pid, " (uid ", peer_uid, ")")
+                        : absl::StrCat("server uid ", peer_uid, " (pid not visible: another pid namespace)");
+  }
+  std::string out;
+  iovec out_iov{};
+  msghdr out_msg{};
+  FdControl out_control;
+  std::string in;
+  iovec in_iov{};
+  msghdr in_msg{};
+  FdControl in_control;
+  Completion send;
+  Completion recv;
+  TimerId timer = 0;
+  bool live = false;  // the offer was of a connection an earlier server initialised
+  bool refused = false;
+  bool finished = false;
+  std::string tag;  // the listener it came through (AddListener); empty: the main one
+  bool draining = false;  // serving, asked to stop, waiting for a successor (MountConfig::drain_ms)
+  bool relieved = false;  // told to stop
+};
+
+struct HandoffEndpoint::Listener {
+  UniqueFd fd;
+  Completion accept;
+  std::string tag;
+  bool closed = false;
+  bool in_flight = false;
+};
+
+}  // namespace fusekeeper
