@@ -464,8 +464,8 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallback
   }
   r->max_message_ = std::min<size_t>(static_cast<size_t>(sndbuf) - 32 - 512, kLargestUsefulMessage);
 
-  // Where the container runtime's seccomp profile refuses io_uring, the relay waits with epoll:
-  // it only polls, and reads and writes by itself.
+  // On a loop of its own: the ring, or epoll where seccomp refuses io_uring (the relay only polls,
+  // and reads and writes by itself).
   auto st = std::make_unique<LoopState>();
   if (on == nullptr) {
     auto loop = Loop::Create({.epoll_without_ring = true});

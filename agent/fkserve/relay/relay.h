@@ -1,7 +1,8 @@
-// Relay: RelayCore on an io_uring loop of its own (agent/loop), between the kernel's /dev/fuse
-// connection and the socket of whichever program instance serves it now. Where io_uring is
-// refused (the container runtime's default seccomp profile), the loop waits with epoll instead
-// (LoopOptions::epoll_without_ring): the relay only polls on it, so nothing else changes.
+// Relay: RelayCore on a loop (agent/loop), between the kernel's /dev/fuse connection and the
+// socket of whichever program instance serves it now. The launcher runs it on its own loop, which
+// waits with epoll (launcher.cc says why); on a loop of its own (tests, benchmarks) it takes the
+// ring where io_uring is allowed and epoll where it is refused (LoopOptions::epoll_without_ring).
+// The relay only polls, so nothing else changes between the two.
 //
 //  - The kernel's connection is made non-blocking and drained with read(2) (into a buffer of the
 //    largest message) whenever a multishot POLL on the ring says it is readable: an io_uring READ
