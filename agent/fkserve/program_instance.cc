@@ -294,12 +294,21 @@ void ProgramInstance::AddReports(UniqueFd conn, std::function<void(const std::st
 void ProgramInstance::Reap() {
   while (!processes_gone_) {
     int status = 0;
-    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    const pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
     if (pid == 0) return;  // some still run
     if (pid < 0) {
       if (errno == EINTR) continue;
       processes_gone_ = true;  // ECHILD: nothing of the program is left
       break;
+    }
+    // Stopped (every thread of it: a debugger, SIGSTOP) or continued: said, since a stopped
+    // program answers nothing and the relay's stall bound will end it.
+    if (WIFSTOPPED(status) || WIFCONTINUED(status)) {
+      fprintf(stderr, "fkserve: %s (pid %d) %s\n", name_.c_str(), pid,
+              WIFCONTINUED(status) ? "was continued"
+                                   : absl::StrCat("was stopped by signal ", WSTOPSIG(status), ": it answers nothing until "
+                                                  "continued").c_str());
+      continue;
     }
     ++reaped_;
     last_pid_ = pid;

@@ -63,7 +63,8 @@ class ProgramInstance {
   static std::unique_ptr<ProgramInstance> Start(Loop& loop, Spec spec, std::string* error);
   ~ProgramInstance();
 
-  // The launcher's SIGCHLD: reaps what has ended (every child of the launcher is this instance's).
+  // The launcher's SIGCHLD: reaps what has ended (every child of the launcher is this instance's),
+  // and says when a process of it was stopped or continued.
   void Reap();
   // The connection of a claim (a dup): its reports are read until it closes, `on_line` each.
   void AddReports(UniqueFd conn, std::function<void(const std::string& line)> on_line);

@@ -552,15 +552,9 @@ TEST_F(FkserveTest, ARelayedProgramThatStopsAnsweringIsKilledAndRestartedAndItsR
     ASSERT_TRUE(children >> program) << "the launcher's program";
     ASSERT_EQ(kill(program, SIGSTOP), 0);
     // kill() returns before every thread has stopped; one that still runs may answer the request
-    // below. Stopped means every thread shows T.
-    ASSERT_TRUE(WithDeadline([&] {
-                  while (true) {
-                    std::string states = ThreadStates(program);
-                    if (!states.empty() && states.find_first_not_of("T") == std::string::npos) return true;
-                    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-                  }
-                }).has_value())
-        << "the program did not stop: its threads are " << ThreadStates(program);
+    // below. The launcher is told (SIGCHLD, CLD_STOPPED) once every thread has, and says so.
+    ASSERT_TRUE(server_->WaitForStderr("was stopped by signal 19", 1, kTestDeadline))
+        << "the program did not stop: its threads are " << ThreadStates(program) << "\n" << server_->Stderr();
   }
   const std::string file = mnt_ + "/hello";
   auto answered = WithDeadline([&] {
