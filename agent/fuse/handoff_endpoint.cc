@@ -373,15 +373,19 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   Arm(sqe, &c->send);
 }
 
+std::vector<UniqueFd> HandoffEndpoint::Received(Connection* c, int32_t res, bool* other_control) {
+  Completed();
+  loop_.CancelTimer(c->timer);
+  if (res <= 0) return {};
+  return TakeReceivedFds(c->in_msg, other_control);
+}
+
 void HandoffEndpoint::AwaitReply(Connection* c) {
   PrepareReceive(c);
   c->recv.callback = [this, c](int32_t res, bool) {
-    Completed();
-    loop_.CancelTimer(c->timer);
     // Any fds but a relay state the reply announces are closed (they go out of scope here).
-    std::vector<UniqueFd> fds;
     bool other_control = false;
-    if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
+    std::vector<UniqueFd> fds = Received(c, res, &other_control);
     if (res == -ECANCELED) {
       if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
       return Finish(c, absl::DeadlineExceededError(absl::StrCat(

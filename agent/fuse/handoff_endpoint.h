@@ -183,6 +183,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void PromoteStandby();
   void SendOffer(Connection* c, bool refuse, std::string why);
   void AwaitReply(Connection* c);
+  // First in a reply's callback: the operation is done and its deadline too; the fds that came
+  // with it (none if `res` <= 0).
+  std::vector<UniqueFd> Received(Connection* c, int32_t res, bool* other_control);
   // Without a connection: waits briefly for the server to re-deposit one.
   void AwaitRedeposit(Connection* c);
   // Why a re-deposited fd cannot be taken (empty: it can).

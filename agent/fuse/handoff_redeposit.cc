@@ -27,11 +27,8 @@ namespace fusekeeper {
 void HandoffEndpoint::AwaitRedeposit(Connection* c) {
   PrepareReceive(c);
   c->recv.callback = [this, c](int32_t res, bool) {
-    Completed();
-    loop_.CancelTimer(c->timer);
-    std::vector<UniqueFd> fds;
     bool other_control = false;
-    if (res > 0) fds = TakeReceivedFds(c->in_msg, &other_control);
+    std::vector<UniqueFd> fds = Received(c, res, &other_control);
     if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
     if (res == -ECANCELED) {
       if (!policy_.awaiting_redeposit()) return Route(c);  // re-deposited meanwhile (by another server)

@@ -28,7 +28,7 @@ absl::StatusOr<std::unique_ptr<SignalWatcher>> SignalWatcher::Create(
   int fd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
   if (fd < 0) return absl::InternalError(absl::StrCat("signalfd: ", std::strerror(errno)));
   std::unique_ptr<SignalWatcher> w(new SignalWatcher(loop, UniqueFd(fd), std::move(on_signal)));
-  w->ArmRead();
+  w->Watch();
   return w;
 }
 
@@ -37,7 +37,7 @@ SignalWatcher::SignalWatcher(Loop& loop, UniqueFd fd, absl::AnyInvocable<void(in
 
 // A poll, not a read: the epoll backend (no io_uring) has no reads, and a read of a signalfd on
 // the ring could sleep inline in the loop thread.
-void SignalWatcher::ArmRead() {
+void SignalWatcher::Watch() {
   watch_ = std::make_unique<PollWatch>(loop_, fd_.get(), POLLIN, /*multishot=*/true, [this](int res) {
     if (res < 0) {
       LOG(ERROR) << "polling signalfd: " << std::strerror(-res);

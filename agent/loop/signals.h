@@ -32,7 +32,7 @@ class SignalWatcher {
 
  private:
   SignalWatcher(Loop& loop, UniqueFd fd, absl::AnyInvocable<void(int)> on_signal);
-  void ArmRead();
+  void Watch();
 
   Loop& loop_;
   UniqueFd fd_;

@@ -37,7 +37,7 @@ constexpr size_t kLargestUsefulMessage = (1 << 20) + 4096;
 // the loop has stopped. Every Relay method but Start and Stop comes through here. `now`: the
 // caller is the loop's thread (a relay on its owner's loop): fn runs at once.
 template <typename F>
-auto OnLoop(Loop& loop, bool now, F fn) -> std::optional<decltype(fn())> {
+auto RunOn(Loop& loop, bool now, F fn) -> std::optional<decltype(fn())> {
   if (now) {
     if (loop.stop_requested()) return std::nullopt;
     return fn();
@@ -68,6 +68,13 @@ struct ProgramConn {
 struct Relay::LoopState final : RelayOutput {
   std::unique_ptr<Loop> own_loop;  // a relay on a thread of its own
   Loop* loop = nullptr;            // own_loop, or its owner's
+
+  // RunOn this relay's loop: at once on its owner's (the caller is that loop's thread), else
+  // posted to its own thread.
+  template <typename F>
+  auto Call(F fn) {
+    return RunOn(*loop, own_loop == nullptr, std::move(fn));
+  }
   UniqueFd kernel;
   RelayCallbacks cb;
   size_t max_message = 0;
@@ -562,7 +569,7 @@ absl::StatusOr<UniqueFd> Relay::NewInstanceSocket() {
   fcntl(sv[0], F_SETFL, O_NONBLOCK);  // ours only: the program's end stays blocking, like /dev/fuse
   UniqueFd ours(sv[0]), theirs(sv[1]);
   LoopState* st = state_.get();
-  const bool attached = OnLoop(*st->loop, st->own_loop == nullptr, [&] {
+  const bool attached = st->Call([&] {
                           st->Attach(std::move(ours));
                           return true;
                         }).has_value();
@@ -579,7 +586,7 @@ void Relay::WatchPrograms(ProgramLimits limits) {
   const std::chrono::milliseconds tick =
       std::clamp(shortest / 8, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
   LoopState* st = state_.get();
-  OnLoop(*st->loop, st->own_loop == nullptr, [&] {
+  st->Call([&] {
     st->limits = limits;
     st->Watch(tick);
     return true;
@@ -588,13 +595,13 @@ void Relay::WatchPrograms(ProgramLimits limits) {
 
 bool Relay::HandOver(UniqueFd* pulse) {
   LoopState* st = state_.get();
-  return OnLoop(*st->loop, st->own_loop == nullptr, [&] { return st->HandOver(pulse); }).value_or(false);
+  return st->Call([&] { return st->HandOver(pulse); }).value_or(false);
 }
 
 absl::Status Relay::TakeBack() {
   LoopState* st = state_.get();
   // The journal is opened again by the take-back: its fd comes back with the outcome.
-  auto taken = OnLoop(*st->loop, st->own_loop == nullptr, [&] {
+  auto taken = st->Call([&] {
     absl::Status s = st->TakeBack();
     return std::make_pair(s, st->journal->fd());
   });
@@ -605,7 +612,7 @@ absl::Status Relay::TakeBack() {
 
 RelayStats Relay::Snapshot() {
   LoopState* st = state_.get();
-  return OnLoop(*st->loop, st->own_loop == nullptr, [&] { return st->core->stats(); }).value_or(RelayStats{});
+  return st->Call([&] { return st->core->stats(); }).value_or(RelayStats{});
 }
 
 }  // namespace fusekeeper::relay
