@@ -424,7 +424,6 @@ void Launcher::InstanceEnded() {
   last_death_ = last_words.empty() ? how : absl::StrCat(how, " (its last words: ", last_words, ")");
   fprintf(stderr, "fkserve: %s; the relay keeps the connection: restarting it%s\n", end_why_.c_str(),
           delay.count() > 0 ? absl::StrCat(" in ", delay.count(), " ms").c_str() : "");
-  final_why_ = end_why_;
   if (delay.count() == 0) return Restart();
   inst_.reset();
   restart_timer_.Arm(delay, [this] { Restart(); });
