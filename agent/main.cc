@@ -34,6 +34,8 @@
 #include "agent/version.h"
 #include "agent/volume/audits.h"
 #include "agent/volume/state_store.h"
+#include "agent/volume/fuse_kind.h"
+#include "agent/volume/host_path_kind.h"
 #include "agent/volume/volume_manager.h"
 #include "gflags/gflags.h"
 #include "glog/logging.h"
@@ -169,6 +171,25 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartMetrics(Loop& loop, const Agent
   return h;
 }
 
+VolumeManagerOptions VolumeOptions(const AgentConfig& c) {
+  return {.stats_timeout = c.stats_timeout,
+          .ephemeral_host_path_prefixes = c.ephemeral_host_path_prefixes,
+          .host_root = c.host_root,
+          .max_queued_per_volume = c.max_queued_per_volume,
+          .max_queue_wait = c.max_queue_wait};
+}
+
+// The volume kinds this agent serves.
+void AddKinds(VolumeManager& volumes, const AgentConfig& c, ServerPods* server_pods) {
+  volumes.AddKind(std::make_unique<HostPathKind>(volumes));
+  volumes.AddKind(std::make_unique<FuseKind>(volumes, FuseKindOptions{.socket_dir = c.state_dir + "/sockets",
+                                                                      .handoff_timeout = c.handoff_timeout,
+                                                                      .redeposit_wait = c.redeposit_wait,
+                                                                      .server_gone_grace = c.server_gone_grace,
+                                                                      .init_timeout = c.init_timeout,
+                                                                      .server_pods = server_pods}));
+}
+
 // The volumes' state reconciled first; then recovery's detection (audits) starts.
 void StartVolumes(Loop& loop, VolumeManager& volumes, const AgentConfig& c, Telemetry& telemetry,
                   std::unique_ptr<Audits>* audits) {
@@ -221,12 +242,8 @@ int main(int argc, char** argv) {
   if (!table_reader.ok()) return Fail(3, table_reader.status().message());
   Cluster cluster = ConnectCluster(**loop, c);
   std::unique_ptr<ServerPods> server_pods = MakeServerPods(**loop, pool, cluster, c);
-  VolumeManager volumes(**loop, pool, *kubelet, *store, **table_reader,
-                        {.stats_timeout = c.stats_timeout, .ephemeral_host_path_prefixes = c.ephemeral_host_path_prefixes,
-                         .host_root = c.host_root, .socket_dir = c.state_dir + "/sockets", .server_pods = server_pods.get(),
-                         .handoff_timeout = c.handoff_timeout, .init_timeout = c.init_timeout,
-                         .redeposit_wait = c.redeposit_wait, .server_gone_grace = c.server_gone_grace,
-                         .max_queued_per_volume = c.max_queued_per_volume, .max_queue_wait = c.max_queue_wait});
+  VolumeManager volumes(**loop, pool, *kubelet, *store, **table_reader, VolumeOptions(c));
+  AddKinds(volumes, c, server_pods.get());
   Telemetry telemetry;
   std::unique_ptr<EventRecorder> events = MakeEventRecorder(**loop, pool, cluster, c);
   KubeletWatch kubelet_watch;

@@ -46,6 +46,7 @@
 #include "agent/paths/kubelet_dir.h"
 #include "agent/sys/syscalls.h"
 #include "agent/volume/state_store.h"
+#include "agent/volume/host_path_kind.h"
 #include "agent/volume/volume_manager.h"
 #include "benchmark/benchmark.h"
 #include "glog/logging.h"
@@ -185,8 +186,8 @@ Agent& TheAgent() {
     a->store = std::make_unique<StateStore>(std::move(*StateStore::Open(Root() + "/state")));
     a->reader = std::move(*MountTableReader::Create(*a->loop));
     a->volumes = std::make_unique<VolumeManager>(*a->loop, *a->pool, *a->kubelet, *a->store, *a->reader,
-                                                 VolumeManagerOptions{.stats_timeout = absl::Seconds(1),
-                                                                      .socket_dir = Root() + "/state/sockets"});
+                                                 VolumeManagerOptions{.stats_timeout = absl::Seconds(1)});
+    a->volumes->AddKind(std::make_unique<HostPathKind>(*a->volumes));
     CsiServerOptions options;
     options.endpoint = "unix://" + Root() + "/csi.sock";
     options.identity.driver_name = "fusekeeper.csi";

@@ -78,7 +78,7 @@ class RpcDispatcher {
  public:
   // Called (any thread) once per finished RPC: method, result code, latency. For metrics.
   using Observer = std::function<void(const char* method, absl::StatusCode code, absl::Duration latency)>;
-  explicit RpcDispatcher(Loop& loop, Observer observer = nullptr) : loop_(loop), observer_(std::move(observer)) {}
+  explicit RpcDispatcher(Loop& loop, Observer observer = nullptr) : observer_(std::move(observer)), loop_(loop) {}
 
   // Any thread. From now on new RPCs are refused with UNAVAILABLE; in-flight ones finish.
   void BeginDraining() { draining_.store(true, std::memory_order_release); }

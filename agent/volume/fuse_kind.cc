@@ -111,7 +111,10 @@ BindOptions StagedTargetBind(const csi::v1::NodePublishVolumeRequest& req) {
 
 }  // namespace
 
-FuseKind::FuseKind(VolumeHost& host, FuseKindOptions options) : VolumeKind(host), options_(std::move(options)) {
+FuseKind::FuseKind(VolumeHost& host, FuseKindOptions options)
+    : VolumeKind(host),
+      options_(std::move(options)),
+      repairs_(host.loop(), options_.repair_backoff, options_.max_repair_backoff) {
   if (options_.server_pods == nullptr) return;
   ServerPods::Events ev;
   ev.on_pod = [this](const std::string& vid, const std::string& name, const std::string& uid) {

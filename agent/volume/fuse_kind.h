@@ -24,6 +24,7 @@
 #include "agent/fuse/handoff_endpoint.h"
 #include "agent/serverpod/server_pods.h"
 #include "agent/volume/fuse_volume_ops.h"
+#include "agent/volume/repair_scheduler.h"
 #include "agent/volume/volume_kind.h"
 
 namespace fusekeeper {
@@ -148,7 +149,6 @@ class FuseKind final : public VolumeKind {
   // Checks every mount of the volume through the FUSE server (statfs, under the stats deadline)
   // and reports MountRecovered / MountRecoveryFailed.
   void Verify(const std::string& volume_id, const std::string& how, absl::Time since);
-  void RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn);
   // Events for what a re-bind removed (stacked mounts) and could not do (failed targets).
   void ReportRebind(const RebindOutcome& r);
 
@@ -164,8 +164,7 @@ class FuseKind final : public VolumeKind {
   const FuseKindOptions options_;
   std::map<std::string, Endpoint> endpoints_;
   uint64_t endpoint_serial_ = 0;
-  std::unordered_set<std::string> repairing_;      // volumes with a repair queued or running
-  std::map<std::string, absl::Duration> backoff_;  // per volume, after failed repairs
+  RepairScheduler repairs_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer
 };

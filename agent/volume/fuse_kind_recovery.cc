@@ -204,23 +204,17 @@ void FuseKind::ReportRebind(const RebindOutcome& r) {
   }
 }
 
-void FuseKind::RetryLater(const std::string& volume_id, absl::AnyInvocable<void()> fn) {
-  absl::Duration& d = backoff_[volume_id];
-  d = d == absl::ZeroDuration() ? options_.repair_backoff : std::min(d * 2, options_.max_repair_backoff);
-  host_.loop().AddTimer(absl::ToChronoNanoseconds(d), std::move(fn));
-}
-
 void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) {
   const state::Volume* v = host_.Find(volume_id);
-  if (v == nullptr || v->kind() != kFuseKind || repairing_.count(volume_id) > 0) return;
+  if (v == nullptr || v->kind() != kFuseKind || repairs_.running(volume_id)) return;
   const std::string path = FuseMountPath(*v);
   if (path.empty()) return;
   ClaimQueue::Claim claim = host_.TryClaim(volume_id);
   if (!claim) {
     // An RPC on the volume is in flight; it may be unpublishing it. Look again after it.
-    return RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
+    return (void)repairs_.RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
   }
-  repairing_.insert(volume_id);
+  repairs_.Began(volume_id);
   const std::string key = EndpointKey(volume_id, path);
   auto ep = endpoints_.find(key);
   absl::Time since = absl::Now();
@@ -256,8 +250,7 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
           r->listen_fd = std::move(*l);
         }
         return AdoptFn([this, r, volume_id, path, key, since] {
-          repairing_.erase(volume_id);
-          backoff_.erase(volume_id);
+          repairs_.Succeeded(volume_id);
           auto ep = endpoints_.find(key);
           if (ep != endpoints_.end()) {
             StopAnswerProbe(ep->second);  // the connection it asked through is gone
@@ -279,25 +272,26 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
       }};
   host_.RunClaimed(std::move(claim), std::move(job), [this, volume_id, why, since](absl::Status s) {
     if (s.ok()) return;
-    repairing_.erase(volume_id);
+    repairs_.Failed(volume_id);
     const state::Volume* v = host_.Find(volume_id);
     if (v == nullptr) return;
     host_.Event(*v, "Warning", "MountRecoveryFailed",
                 absl::StrCat("mounting a fresh connection for volume ", volume_id, " failed: ", s.message()));
     host_.RecoveryFinished("fresh connection", "failed", absl::Now() - since);
-    RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
+    repairs_.RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
   });
 }
 
 void FuseKind::Rebind(const std::string& volume_id, const std::string& why,
                       std::optional<state::MountIdentity> adopt_global) {
   const state::Volume* found = host_.Find(volume_id);
-  if (found == nullptr || repairing_.count(volume_id) > 0) return;
+  if (found == nullptr || repairs_.running(volume_id)) return;
   ClaimQueue::Claim claim = host_.TryClaim(volume_id);
   if (!claim) {
-    return RetryLater(volume_id, [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); });
+    auto again = [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); };
+    return (void)repairs_.RetryLater(volume_id, std::move(again));
   }
-  repairing_.insert(volume_id);
+  repairs_.Began(volume_id);
   const absl::Time since = absl::Now();
   LOG(WARNING) << "volume " << volume_id << ": " << why << "; re-binding its pod targets";
   state::Volume v = *found;
@@ -318,8 +312,7 @@ void FuseKind::Rebind(const std::string& volume_id, const std::string& why,
                 auto rebound = RebindTargetsBlocking(ctx, v);
                 if (!rebound.ok()) return rebound.status();
                 return AdoptFn([this, r = std::make_shared<RebindOutcome>(std::move(*rebound)), volume_id, since] {
-                  repairing_.erase(volume_id);
-                  backoff_.erase(volume_id);
+                  repairs_.Succeeded(volume_id);
                   ReportRebind(*r);
                   if (!r->failed.empty()) {
                     host_.RecoveryFinished("re-bind", "failed", absl::Now() - since);
@@ -332,15 +325,15 @@ void FuseKind::Rebind(const std::string& volume_id, const std::string& why,
               }};
   host_.RunClaimed(std::move(claim), std::move(job), [this, volume_id, why, adopt_global](absl::Status s) {
     if (s.ok()) return;
-    repairing_.erase(volume_id);
+    repairs_.Failed(volume_id);
     LOG(ERROR) << "volume " << volume_id << ": re-binding targets failed: " << s;
-    RetryLater(volume_id, [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); });
+    repairs_.RetryLater(volume_id, [this, volume_id, why, adopt_global] { Rebind(volume_id, why, adopt_global); });
   });
 }
 
 bool FuseKind::Audit(const MountTable& table, const state::Volume& v, const std::string& why) {
   const std::string& id = v.volume_id();
-  if (repairing_.count(id) > 0) return true;
+  if (repairs_.running(id)) return true;
   if (host_.Busy(id)) return false;
   const KubeletDir& kubelet = *host_.ops_context().kubelet;
   if (!v.staging_path().empty()) {
@@ -393,7 +386,7 @@ void FuseKind::ContainerRestarted(const state::Volume& v, const std::string& pod
 void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
   std::string state;
   auto ep = endpoints_.find(EndpointKey(v.volume_id(), FuseMountPath(v)));
-  if (repairing_.count(v.volume_id()) > 0) {
+  if (repairs_.running(v.volume_id())) {
     state = "repairing";
     ++c->repairs_in_progress;
   } else if (ep == endpoints_.end()) {

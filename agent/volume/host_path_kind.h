@@ -9,7 +9,6 @@
 
 namespace fusekeeper {
 
-inline constexpr char kHostPathKind[] = "hostPath";
 
 // Validates a hostPath volume's volume_context (path, type) and capability (bind mount flags,
 // volume_mount_group) and fills spec's host_path and host_path_type. Pure; any thread.

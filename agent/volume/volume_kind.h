@@ -26,6 +26,9 @@
 
 namespace fusekeeper {
 
+// The host-path kind's name, which the manager also gives volumes recorded before kinds existed.
+inline constexpr char kHostPathKind[] = "hostPath";
+
 // What a finished job did to the volume's state.
 struct VolumeChange {
   enum What { kKeep, kSet, kErase };

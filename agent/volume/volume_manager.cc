@@ -7,8 +7,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/paths/host_path.h"
-#include "agent/volume/fuse_kind.h"
-#include "agent/volume/host_path_kind.h"
 #include "agent/volume/reconcile.h"
 #include "agent/volume/volume_spec.h"
 #include "glog/logging.h"
@@ -45,17 +43,12 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
                                                           .max_threads = options.max_probe_threads,
                                                           .max_queued = 1024})),
       probe_pool_(probe_pool != nullptr ? probe_pool : own_probe_pool_.get()) {
-  kinds_[kHostPathKind] = std::make_unique<HostPathKind>(*this);
-  kinds_[kFuseKind] = std::make_unique<FuseKind>(
-      *this, FuseKindOptions{.socket_dir = options.socket_dir,
-                             .handoff_timeout = options.handoff_timeout,
-                             .handoff_reply_timeout = options.handoff_reply_timeout,
-                             .redeposit_wait = options.redeposit_wait,
-                             .server_gone_grace = options.server_gone_grace,
-                             .repair_backoff = options.repair_backoff,
-                             .max_repair_backoff = options.max_repair_backoff,
-                             .init_timeout = options.init_timeout,
-                             .server_pods = options.server_pods});
+}
+
+void VolumeManager::AddKind(std::unique_ptr<VolumeKind> kind) {
+  CHECK(!ready_) << "kinds are added before Start";
+  std::string name(kind->name());
+  kinds_[std::move(name)] = std::move(kind);
 }
 
 void VolumeManager::Start(Done done) {

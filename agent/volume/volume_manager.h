@@ -4,8 +4,9 @@
 // conflicts from that state, and runs each RPC's blocking work on the BlockingPool.
 //
 // What differs between volume kinds lives in one module per kind behind VolumeKind
-// (volume_kind.h): host_path_kind.h and fuse_kind.h. The manager holds them by the name in
-// volume_context["kind"] and never asks which kind a volume is; it is their VolumeHost.
+// (volume_kind.h): host_path_kind.h and fuse_kind.h. main() builds them and hands them over
+// (AddKind); the manager holds them by the name in volume_context["kind"], never asks which kind
+// a volume is, and is their VolumeHost.
 #pragma once
 
 #include <atomic>
@@ -25,7 +26,6 @@
 #include "agent/loop/loop.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
-#include "agent/serverpod/server_pods.h"
 #include "agent/volume/claim_queue.h"
 #include "agent/volume/state_store.h"
 #include "agent/volume/volume_kind.h"
@@ -59,25 +59,6 @@ struct VolumeManagerOptions {
   // See VolumeOpsContext::ephemeral_host_path_prefixes and host_root.
   std::vector<std::string> ephemeral_host_path_prefixes;
   std::string host_root;
-  // Where staged FUSE volumes' handoff sockets live (a node-level server connects there).
-  std::string socket_dir = "/var/lib/fusekeeper/sockets";
-  // Server pods of staged FUSE volumes (FuseKindOptions::server_pods); null: none.
-  ServerPods* server_pods = nullptr;
-  // A FUSE volume no server has claimed by then has its connection aborted (it stays mounted and
-  // fails fast) and a Warning posted; a server that connects later gets a fresh connection.
-  absl::Duration handoff_timeout = absl::Minutes(5);
-  // How long a connected server has to answer the handoff.
-  absl::Duration handoff_reply_timeout = absl::Seconds(10);
-  // How long a server that took a fresh connection has to answer the kernel's first requests
-  // (FuseKindOptions::init_timeout); zero: no deadline.
-  absl::Duration init_timeout = absl::Seconds(30);
-  // After an agent restart: how long a connecting server has to re-deposit the volume's live
-  // connection before it is taken to want a fresh one (HandoffOptions::redeposit_wait).
-  absl::Duration redeposit_wait = absl::Seconds(1);
-  // A FUSE server that stops is reported (Warning FuseServerNotConnected) only if its volume is
-  // not unpublished within this grace: kubelet stops a deleted pod's sidecar just before it
-  // unpublishes, and that is no failure.
-  absl::Duration server_gone_grace = absl::Seconds(2);
   // Threads for file-system probes (statfs), which can hang on an unresponsive FUSE server; kept
   // apart from the mount work's pool so that mount RPCs never wait behind them. The pool grows
   // when every probe thread is stuck (at most one probe per mount is outstanding, so a hung
@@ -90,9 +71,8 @@ struct VolumeManagerOptions {
   // ABORTED naming what it waited behind).
   int max_queued_per_volume = 256;
   absl::Duration max_queue_wait = absl::Seconds(60);
-  // A failed repair is retried after this, doubling up to max_repair_backoff.
-  absl::Duration repair_backoff = absl::Milliseconds(200);
-  absl::Duration max_repair_backoff = absl::Seconds(30);
+  // An audit that skipped volumes busy with an RPC looks at them again after this.
+  absl::Duration audit_retry = absl::Milliseconds(200);
 };
 
 class VolumeManager final : public VolumeHost {
@@ -105,6 +85,10 @@ class VolumeManager final : public VolumeHost {
   VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& kubelet, const StateStore& store,
                 MountTableReader& table_reader, VolumeManagerOptions options = {},
                 BlockingPool* probe_pool = nullptr);
+
+  // Before Start (any thread that owns the manager then). The kind serves volumes whose
+  // volume_context["kind"] is kind->name(); hostPath also serves volumes recorded without a kind.
+  void AddKind(std::unique_ptr<VolumeKind> kind);
 
   // Loop thread. Loads saved state, reconciles it with the mount table (read through the ring),
   // and writes back what changed. RPCs before `done` get UNAVAILABLE.

@@ -9,8 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/paths/host_path.h"
-#include "agent/volume/fuse_kind.h"
-#include "agent/volume/host_path_kind.h"
 #include "agent/volume/reconcile.h"
 #include "agent/volume/volume_spec.h"
 #include "glog/logging.h"
@@ -67,7 +65,7 @@ void VolumeManager::Audit(const std::string& why, absl::AnyInvocable<void()> don
       // A volume with an RPC (or its start-up socket) in flight is looked at again shortly, not
       // only at the next periodic audit.
       audit_retry_pending_ = true;
-      loop_.AddTimer(absl::ToChronoNanoseconds(options_.repair_backoff), [this, why] {
+      loop_.AddTimer(absl::ToChronoNanoseconds(options_.audit_retry), [this, why] {
         audit_retry_pending_ = false;
         Audit(why);
       });

@@ -8,8 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "agent/paths/host_path.h"
-#include "agent/volume/fuse_kind.h"
-#include "agent/volume/host_path_kind.h"
 #include "agent/volume/reconcile.h"
 #include "agent/volume/volume_spec.h"
 #include "glog/logging.h"

@@ -1,5 +1,6 @@
 // VolumeManager in-process, with its one pool thread held hostage where a test needs an operation
 // provably in flight: RPCs on the same volume wait their turn, no waiting across volumes, the stats deadline.
+#include "agent/volume/host_path_kind.h"
 #include "agent/volume/volume_manager.h"
 
 #include <filesystem>
@@ -36,6 +37,7 @@ class VolumeManagerTest : public ::testing::Test {
       manager_ = std::make_unique<VolumeManager>(lt_.loop(), *pool_, *kubelet_, *store_, *reader_,
                                                  VolumeManagerOptions{absl::Milliseconds(50)},
                                                  probe_pool_.get());
+      manager_->AddKind(std::make_unique<HostPathKind>(*manager_));
     });
   }
   void TearDown() override {
@@ -155,6 +157,7 @@ TEST_F(VolumeManagerTest, QueueBoundsAnswerWithClearErrorsNamingTheVolume) {
                              .max_queued_per_volume = 2,
                              .max_queue_wait = absl::Milliseconds(300)},
         probe_pool_.get());
+    manager_->AddKind(std::make_unique<HostPathKind>(*manager_));
   });
   StartManager();
   auto release = HoldPool();
