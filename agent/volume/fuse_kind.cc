@@ -114,6 +114,7 @@ BindOptions StagedTargetBind(const csi::v1::NodePublishVolumeRequest& req) {
 FuseKind::FuseKind(VolumeHost& host, FuseKindOptions options)
     : VolumeKind(host),
       options_(std::move(options)),
+      endpoints_(host.loop()),
       repairs_(host.loop(), options_.repair_backoff, options_.max_repair_backoff) {
   if (options_.server_pods == nullptr) return;
   ServerPods::Events ev;
@@ -195,10 +196,6 @@ void FuseKind::ApplySpec(const state::Spec& spec, state::Volume* v) const {
   v->mutable_fuse()->set_socket_path(socket_path);
   v->clear_volume_context();
   for (const auto& [k, val] : spec.volume_context()) (*v->mutable_volume_context())[k] = val;
-}
-
-std::string FuseKind::EndpointKey(const std::string& volume_id, const std::string& path) {
-  return absl::StrCat(volume_id, "\n", path);
 }
 
 KindJob FuseKind::MountJob(std::string reason, state::Volume v, int target_index,
@@ -337,15 +334,15 @@ void FuseKind::Stats(const state::Volume& v, const std::string& path, const std:
                      const PathMounts& mounts, StatsDone done) {
   // A FUSE mount whose server never connected would make statfs wait: say so instead.
   const std::string served_path = v.staging_path().empty() ? path : v.staging_path();
-  auto ep = endpoints_.find(EndpointKey(v.volume_id(), served_path));
-  if (ep != endpoints_.end() && !ep->second.gone_reason.empty()) {
+  const FuseEndpoint* ep = endpoints_.Find(v.volume_id(), served_path);
+  if (ep != nullptr && !ep->gone_reason.empty()) {
     // A server known to be gone: no probe needed (it would only wait).
     csi::v1::NodeGetVolumeStatsResponse resp;
     resp.mutable_volume_condition()->set_abnormal(true);
-    resp.mutable_volume_condition()->set_message(ep->second.gone_reason);
+    resp.mutable_volume_condition()->set_message(ep->gone_reason);
     return done(resp);
   }
-  if (ep != endpoints_.end() && ep->second.endpoint->awaiting_redeposit()) {
+  if (ep != nullptr && ep->endpoint->awaiting_redeposit()) {
     // Mounted by an earlier agent and possibly still served: ask the mount itself (under the
     // stats deadline), and say what is unknown if it does not answer.
     const std::string socket = v.fuse().socket_path();
@@ -358,7 +355,7 @@ void FuseKind::Stats(const state::Volume& v, const std::string& path, const std:
       done(std::move(r));
     });
   }
-  if (ep != endpoints_.end() && !ep->second.endpoint->served()) {
+  if (ep != nullptr && !ep->endpoint->served()) {
     csi::v1::NodeGetVolumeStatsResponse resp;
     resp.mutable_volume_condition()->set_abnormal(true);
     resp.mutable_volume_condition()->set_message(

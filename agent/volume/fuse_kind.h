@@ -23,6 +23,7 @@
 #include "agent/fuse/answer_probe.h"
 #include "agent/fuse/handoff_endpoint.h"
 #include "agent/serverpod/server_pods.h"
+#include "agent/volume/fuse_endpoints.h"
 #include "agent/volume/fuse_volume_ops.h"
 #include "agent/volume/repair_scheduler.h"
 #include "agent/volume/volume_kind.h"
@@ -96,26 +97,6 @@ class FuseKind final : public VolumeKind {
   void CountKind(VolumeCounts* counts) const override;
 
  private:
-  struct Endpoint {
-    std::shared_ptr<HandoffEndpoint> endpoint;
-    TimerId timeout = 0;
-    uint64_t serial = 0;      // tells this endpoint from a later one for the same path
-    bool gave_up = false;     // no server came within handoff_timeout: the connection was aborted
-    int gone_pending = 0;     // server-gone Warnings waiting out server_gone_grace
-    std::string gone_reason;  // why its server stopped serving, once it has
-    int adoptions_seen = 0;
-    bool relayed = false;  // its server said it relays (HandoffReply::relayed)
-    absl::Time recovering_since = absl::InfinitePast();  // a recovery awaits a serving server
-    std::string recovering_how;
-    // A server took a fresh connection: whether it answers (FUSE_INIT, then a GETATTR) is asked
-    // until options_.init_timeout (init_timer); `answer_server` names that server.
-    std::shared_ptr<AnswerProbe> answer_probe;
-    TimerId init_timer = 0;
-    std::string answer_server;
-  };
-
-  // Endpoints by volume and mount path.
-  static std::string EndpointKey(const std::string& volume_id, const std::string& path);
   // The job that mounts a fresh FUSE connection for `v` at its staging path (target_index < 0)
   // or at a target, then starts its endpoint.
   KindJob MountJob(std::string reason, state::Volume v, int target_index, std::optional<state::Volume> previous,
@@ -126,19 +107,18 @@ class FuseKind final : public VolumeKind {
   void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,
                      const std::map<std::string, std::string>& secrets,
                      const std::vector<std::string>& mount_options, bool unclaimed_timeout = true);
+  // What the endpoint of the mount at `path` tells this kind.
+  HandoffEndpoint::Events HandoffEvents(const std::string& volume_id, const std::string& path);
   void StopEndpoint(const std::string& volume_id, const std::string& path);
   void OnHandoffTimeout(const std::string& volume_id, const std::string& path);
   // A server took a fresh connection (`server`: who, for messages): ask whether it answers, and
   // abort the connection if it has not within options_.init_timeout (OnInitTimeout).
-  void StartAnswerProbe(Endpoint& e, const std::string& volume_id, const std::string& path, std::string server);
-  // Forgets the endpoint's probe and its deadline (the probe itself lives until the kernel
-  // completes it, harmlessly).
-  void StopAnswerProbe(Endpoint& e);
+  void StartAnswerProbe(FuseEndpoint& e, const std::string& volume_id, const std::string& path, std::string server);
   void OnInitTimeout(const std::string& volume_id, const std::string& path);
   // Loop thread. Either timeout's end: the mount stays, its connection is aborted (so everything
   // waiting on it fails fast with ENOTCONN), a Warning `reason` says `message`, and the next
   // server that connects gets a fresh connection.
-  void GiveUpOnConnection(Endpoint& e, const state::Volume& v, const std::string& path, ClaimQueue::Claim claim,
+  void GiveUpOnConnection(FuseEndpoint& e, const state::Volume& v, const std::string& path, ClaimQueue::Claim claim,
                           const char* reason, const std::string& message, const char* job);
   void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
   void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
@@ -162,8 +142,7 @@ class FuseKind final : public VolumeKind {
   bool ServerWaitsFrom(const std::string& volume_id, const std::string& pod_uid) const;
 
   const FuseKindOptions options_;
-  std::map<std::string, Endpoint> endpoints_;
-  uint64_t endpoint_serial_ = 0;
+  FuseEndpoints endpoints_;
   RepairScheduler repairs_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer

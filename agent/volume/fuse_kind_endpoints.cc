@@ -11,9 +11,12 @@
 
 namespace fusekeeper {
 
-void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,
-                             const std::map<std::string, std::string>& secrets,
-                             const std::vector<std::string>& mount_options, bool unclaimed_timeout) {
+namespace {
+
+// What the server is handed with the mount at `path` of `v`.
+MountConfig HandoffConfig(const state::Volume& v, const std::string& path,
+                          const std::map<std::string, std::string>& secrets,
+                          const std::vector<std::string>& mount_options) {
   MountConfig config;
   config.volume_id = v.volume_id();
   config.uid = v.fuse().server_uid();
@@ -26,28 +29,65 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   config.mount_options = mount_options;
   for (const auto& [k, val] : v.volume_context()) config.volume_context[k] = val;
   if (v.fuse().pass_secrets()) config.secrets = secrets;
-  const std::string key = EndpointKey(v.volume_id(), path);
-  StopEndpoint(v.volume_id(), path);
-  HandoffEndpoint::Events events;
+  return config;
+}
+
+HandoffOptions HandoffOptionsFor(const FuseKindOptions& o, const state::Volume& v, const std::string& path) {
+  HandoffOptions ho;
+  ho.reply_timeout = o.handoff_reply_timeout;
+  ho.peer_uid = v.fuse().server_uid();
+  ho.redeposit_wait = o.redeposit_wait;
+  if (o.server_pods != nullptr) ho.drain_wait = absl::Milliseconds(o.server_pods->settings().drain_ms);
+  // A server re-depositing the connection after an agent restart must hand back this mount's.
+  ho.expected_connection = MountsAt(v, path).top.dev_minor();
+  return ho;
+}
+
+}  // namespace
+
+void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,
+                             const std::map<std::string, std::string>& secrets,
+                             const std::vector<std::string>& mount_options, bool unclaimed_timeout) {
   const std::string vid = v.volume_id();
-  events.on_served = [this, key, vid, path](const HandoffReply& reply, pid_t pid) {
-    auto it = endpoints_.find(key);
-    if (it == endpoints_.end()) return;
-    it->second.relayed = reply.relayed;
-    host_.loop().CancelTimer(it->second.timeout);
-    const bool adopted = it->second.endpoint->adoptions() > it->second.adoptions_seen;
-    it->second.adoptions_seen = it->second.endpoint->adoptions();
+  StopEndpoint(vid, path);
+  FuseEndpoint& e = endpoints_.Add(vid, path);
+  e.endpoint = HandoffEndpoint::Start(host_.loop(), std::move(listen_fd), std::move(fuse_fd),
+                                      HandoffConfig(v, path, secrets, mount_options),
+                                      HandoffOptionsFor(options_, v, path), HandoffEvents(vid, path));
+  if (unclaimed_timeout) {
+    e.handoff_deadline.Arm(absl::ToChronoNanoseconds(options_.handoff_timeout),
+                           [this, vid, path] { OnHandoffTimeout(vid, path); });
+  }
+  LOG(INFO) << "volume " << vid << ": FUSE mount at " << path << " waits for its server on " << v.fuse().socket_path();
+  // Its server pods' sockets, as more listeners of this endpoint: once the work that started it
+  // has recorded the volume and ended its claim.
+  if (path == v.staging_path() && options_.server_pods != nullptr) {
+    for (const std::string& uid : options_.server_pods->PodUids(vid)) {
+      host_.loop().Post([this, vid, uid] { AttachPodListener(vid, uid, options_.pod_dir_retry); });
+    }
+  }
+}
+
+HandoffEndpoint::Events FuseKind::HandoffEvents(const std::string& vid, const std::string& path) {
+  HandoffEndpoint::Events events;
+  events.on_served = [this, vid, path](const HandoffReply& reply, pid_t pid) {
+    FuseEndpoint* e = endpoints_.Find(vid, path);
+    if (e == nullptr) return;
+    e->relayed = reply.relayed;
+    e->handoff_deadline.Cancel();
+    const bool adopted = e->endpoint->adoptions() > e->adoptions_seen;
+    e->adoptions_seen = e->endpoint->adoptions();
     // A connection no server has initialised yet (not adopted, not handed back after an agent
     // restart): until its server answers FUSE_INIT every access to the mount waits.
     if (!adopted && !reply.redeposit) {
-      StartAnswerProbe(it->second, vid, path,
+      StartAnswerProbe(*e, vid, path,
                        absl::StrCat(reply.server.empty() ? "a server that did not name itself" : reply.server,
                                     pid > 0 ? absl::StrCat(", pid ", pid) : ""));
     }
     OnServed(vid, path, adopted);
     // A re-deposit after an agent restart with a new pod's server on standby: the roll it held
     // back can go on now.
-    if (options_.server_pods != nullptr && it->second.endpoint->standby() > 0) options_.server_pods->ResyncSoon();
+    if (options_.server_pods != nullptr && e->endpoint->standby() > 0) options_.server_pods->ResyncSoon();
   };
   events.on_server_gone = [this, vid, path](const absl::Status& why) {
     OnServerGone(vid, path, why);
@@ -70,9 +110,9 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
       host_.RecoveryFinished("program restart (relayed)", "recovered", absl::Milliseconds(notice.restart_ms));
     }
   };
-  events.on_connection_aborted = [this, vid, key] {
-    auto ep = endpoints_.find(key);
-    if (ep != endpoints_.end() && ep->second.gave_up) return;  // a server that connects gets a fresh one
+  events.on_connection_aborted = [this, vid, path] {
+    const FuseEndpoint* e = endpoints_.Find(vid, path);
+    if (e != nullptr && e->gave_up) return;  // a server that connects gets a fresh one
     RepairFuse(vid, "its FUSE connection was aborted");
   };
   if (options_.server_pods != nullptr) {
@@ -89,32 +129,7 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
       options_.server_pods->ResyncSoon();
     };
   }
-  HandoffOptions ho;
-  ho.reply_timeout = options_.handoff_reply_timeout;
-  ho.peer_uid = v.fuse().server_uid();
-  ho.redeposit_wait = options_.redeposit_wait;
-  if (options_.server_pods != nullptr) {
-    ho.drain_wait = absl::Milliseconds(options_.server_pods->settings().drain_ms);
-  }
-  // A server re-depositing the connection after an agent restart must hand back this mount's.
-  ho.expected_connection = MountsAt(v, path).top.dev_minor();
-  Endpoint e;
-  e.serial = ++endpoint_serial_;
-  e.endpoint = HandoffEndpoint::Start(host_.loop(), std::move(listen_fd), std::move(fuse_fd), std::move(config), ho,
-                                      std::move(events));
-  if (unclaimed_timeout) {
-    e.timeout = host_.loop().AddTimer(absl::ToChronoNanoseconds(options_.handoff_timeout),
-                                      [this, vid, path] { OnHandoffTimeout(vid, path); });
-  }
-  LOG(INFO) << "volume " << vid << ": FUSE mount at " << path << " waits for its server on " << v.fuse().socket_path();
-  endpoints_[key] = std::move(e);
-  // Its server pods' sockets, as more listeners of this endpoint: once the work that started it
-  // has recorded the volume and ended its claim.
-  if (path == v.staging_path() && options_.server_pods != nullptr) {
-    for (const std::string& uid : options_.server_pods->PodUids(vid)) {
-      host_.loop().Post([this, vid, uid] { AttachPodListener(vid, uid, options_.pod_dir_retry); });
-    }
-  }
+  return events;
 }
 
 void FuseKind::OnServerPod(const std::string& volume_id, const std::string& pod_name, const std::string& pod_uid) {
@@ -128,20 +143,20 @@ void FuseKind::OnServerPodGone(const std::string& volume_id, const std::string& 
   pod_dir_waited_.erase(pod_uid);
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
-  auto ep = endpoints_.find(EndpointKey(volume_id, v->staging_path()));
-  if (ep != endpoints_.end()) ep->second.endpoint->RemoveListener(pod_uid);
+  FuseEndpoint* e = endpoints_.Find(volume_id, v->staging_path());
+  if (e != nullptr) e->endpoint->RemoveListener(pod_uid);
 }
 
 bool FuseKind::ServerWaitsFrom(const std::string& volume_id, const std::string& pod_uid) const {
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return false;
-  auto ep = endpoints_.find(EndpointKey(volume_id, v->staging_path()));
-  if (ep == endpoints_.end()) return false;
+  const FuseEndpoint* ep = endpoints_.Find(volume_id, v->staging_path());
+  if (ep == nullptr) return false;
   // After an agent restart the live connection is held only by the serving pod's server until
   // it re-deposits it: its pod must not go before that, or the connection goes with it (and
   // every open file and working directory in the pods with the connection).
-  if (ep->second.endpoint->awaiting_redeposit()) return false;
-  return ep->second.endpoint->HasServerFrom(pod_uid);
+  if (ep->endpoint->awaiting_redeposit()) return false;
+  return ep->endpoint->HasServerFrom(pod_uid);
 }
 
 void FuseKind::AttachPodListener(const std::string& volume_id, const std::string& pod_uid, absl::Duration retry) {
@@ -149,9 +164,9 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr || v->staging_path().empty()) return;  // staged yet? StartEndpoint attaches then
   const std::string path = v->staging_path();
-  auto ep = endpoints_.find(EndpointKey(volume_id, path));
-  if (ep == endpoints_.end()) return;
-  const uint64_t serial = ep->second.serial;
+  const FuseEndpoint* ep = endpoints_.Find(volume_id, path);
+  if (ep == nullptr) return;
+  const uint64_t serial = ep->serial;
   // The kubelet makes the directory as it starts the pod, usually within seconds: looked for
   // every pod_dir_retry for the first 10 s (a stat each), then less and less often.
   auto again = [this, volume_id, pod_uid, retry] {
@@ -173,10 +188,9 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
                 if (!listen.ok()) return listen.status();
                 return AdoptFn([this, volume_id = v.volume_id(), pod_uid, path, serial,
                                 fd = std::make_shared<UniqueFd>(std::move(*listen))] {
-                  auto ep = endpoints_.find(EndpointKey(volume_id, path));
-                  if (ep != endpoints_.end() && ep->second.serial == serial &&
-                      options_.server_pods->HasPod(volume_id, pod_uid)) {
-                    ep->second.endpoint->AddListener(std::move(*fd), pod_uid);
+                  FuseEndpoint* ep = endpoints_.Find(volume_id, path, serial);
+                  if (ep != nullptr && options_.server_pods->HasPod(volume_id, pod_uid)) {
+                    ep->endpoint->AddListener(std::move(*fd), pod_uid);
                   }
                   pod_dir_waited_.erase(pod_uid);
                   return VolumeChange::Keep();
@@ -193,44 +207,40 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
 }
 
 void FuseKind::StopEndpoint(const std::string& volume_id, const std::string& path) {
-  auto it = endpoints_.find(EndpointKey(volume_id, path));
-  if (it == endpoints_.end()) return;
-  host_.loop().CancelTimer(it->second.timeout);
-  StopAnswerProbe(it->second);
-  if (it->second.gone_pending > 0) {
+  std::unique_ptr<FuseEndpoint> e = endpoints_.Take(volume_id, path);
+  if (e == nullptr) return;
+  e->StopAnswerProbe();
+  if (e->gone_pending > 0) {
     LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped as the volume was unpublished at " << path
               << " (a pod going away): no Warning";
   }
-  it->second.endpoint->Stop();
-  endpoints_.erase(it);
+  e->endpoint->Stop();
 }
 
 void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string& path) {
-  auto ep = endpoints_.find(EndpointKey(volume_id, path));
+  FuseEndpoint* ep = endpoints_.Find(volume_id, path);
   // A server serves it now: nothing to give up on (also when this timer was armed as an earlier
   // server stopped, and another has taken the volume since).
-  if (ep == endpoints_.end() || ep->second.endpoint->serving() || ep->second.gave_up) return;
+  if (ep == nullptr || ep->endpoint->serving() || ep->gave_up) return;
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
   ClaimQueue::Claim claim = host_.TryClaim(volume_id);
   if (!claim) {
     // An RPC on this volume is in progress; look again shortly.
-    ep->second.timeout = host_.loop().AddTimer(std::chrono::seconds(1), [this, volume_id, path] {
-      OnHandoffTimeout(volume_id, path);
-    });
+    ep->handoff_deadline.Arm(std::chrono::seconds(1), [this, volume_id, path] { OnHandoffTimeout(volume_id, path); });
     return;
   }
   // The mount stays a mount: unmounting it would leave the pod writing to a plain directory on
   // the node's disk. Its connection is aborted instead, so that everything waiting on it (a
   // container being created stats its mounts) fails fast with ENOTCONN, and the endpoint keeps
   // listening: a server that connects later gets a fresh connection stacked on this mount.
-  const bool was_served = ep->second.endpoint->served();
+  const bool was_served = ep->endpoint->served();
   const std::string message =
       was_served
           // A server took the volume and stopped (a program that dies before it answers FUSE_INIT
           // would leave the pod's reads waiting forever): the same bound as for a server that
           // never comes.
-          ? absl::StrCat("the FUSE server stopped (", ep->second.gone_reason, ") and no server served volume ",
+          ? absl::StrCat("the FUSE server stopped (", ep->gone_reason, ") and no server served volume ",
                          volume_id, " again within ", absl::FormatDuration(options_.handoff_timeout),
                          "; the mount now fails fast (ENOTCONN) until one does")
           : absl::StrCat("no FUSE server connected to ", v->fuse().socket_path(), " within ",
@@ -240,12 +250,12 @@ void FuseKind::OnHandoffTimeout(const std::string& volume_id, const std::string&
                          v->fuse().server_uid(), ", that it is given that socket path",
                          v->staging_path().empty() ? " (the pod's emptyDir named in volume_context socketVolume)" : "",
                          ", and its logs");
-  GiveUpOnConnection(ep->second, *v, path, std::move(claim),
+  GiveUpOnConnection(*ep, *v, path, std::move(claim),
                      was_served ? "FuseServerNotServing" : "FuseServerNeverConnected", message,
                      "handoff timeout: abort the unserved connection");
 }
 
-void FuseKind::GiveUpOnConnection(Endpoint& e, const state::Volume& v, const std::string& path,
+void FuseKind::GiveUpOnConnection(FuseEndpoint& e, const state::Volume& v, const std::string& path,
                                   ClaimQueue::Claim claim, const char* reason, const std::string& message,
                                   const char* job) {
   e.gave_up = true;
@@ -263,68 +273,50 @@ void FuseKind::GiveUpOnConnection(Endpoint& e, const state::Volume& v, const std
                    nullptr);
 }
 
-void FuseKind::StartAnswerProbe(Endpoint& e, const std::string& volume_id, const std::string& path,
+void FuseKind::StartAnswerProbe(FuseEndpoint& e, const std::string& volume_id, const std::string& path,
                                 std::string server) {
-  StopAnswerProbe(e);
+  e.StopAnswerProbe();
   if (options_.init_timeout <= absl::ZeroDuration()) return;
   e.answer_server = std::move(server);
   const uint64_t serial = e.serial;
-  const std::string key = EndpointKey(volume_id, path);
   const absl::Time asked = absl::Now();
-  e.answer_probe = AnswerProbe::Start(host_.loop(), path, [this, key, serial, asked, volume_id](int32_t res) {
-    auto ep = endpoints_.find(key);
-    if (ep == endpoints_.end() || ep->second.serial != serial) return;
-    host_.loop().CancelTimer(ep->second.init_timer);
-    ep->second.init_timer = 0;
-    ep->second.answer_probe.reset();
+  e.answer_probe = AnswerProbe::Start(host_.loop(), path, [this, path, serial, asked, volume_id](int32_t res) {
+    FuseEndpoint* ep = endpoints_.Find(volume_id, path, serial);
+    if (ep == nullptr) return;
+    ep->init_deadline.Cancel();
+    ep->answer_probe.reset();
     // Any answer counts, an error too (a server that refused FUSE_INIT does answer). ENOTCONN:
     // the connection was aborted meanwhile (a repair, or the kernel), which its own event reports.
     const std::string after = absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Milliseconds(1)));
     if (res == -ENOTCONN) {
       LOG(INFO) << "volume " << volume_id << ": its FUSE connection was aborted " << after << " after the handoff, "
-                << "before its server (" << ep->second.answer_server << ") had answered";
+                << "before its server (" << ep->answer_server << ") had answered";
     } else {
-      LOG(INFO) << "volume " << volume_id << ": its FUSE server (" << ep->second.answer_server
+      LOG(INFO) << "volume " << volume_id << ": its FUSE server (" << ep->answer_server
                 << ") answered the kernel's first requests" << (res < 0 ? absl::StrCat(" (", strerror(-res), ")") : "")
                 << " " << after << " after the handoff";
     }
   });
-  e.init_timer = host_.loop().AddTimer(absl::ToChronoNanoseconds(options_.init_timeout),
-                                       [this, volume_id, path] { OnInitTimeout(volume_id, path); });
-}
-
-void FuseKind::StopAnswerProbe(Endpoint& e) {
-  host_.loop().CancelTimer(e.init_timer);
-  e.init_timer = 0;
-  if (e.answer_probe != nullptr) {
-    if (e.answer_probe->pending()) {
-      LOG(INFO) << "no longer waiting for " << e.answer_probe->path() << "'s FUSE server (" << e.answer_server
-                << ") to answer: its connection is going";
-    }
-    e.answer_probe->Abandon();
-  }
-  e.answer_probe.reset();
+  e.init_deadline.Arm(absl::ToChronoNanoseconds(options_.init_timeout),
+                      [this, volume_id, path] { OnInitTimeout(volume_id, path); });
 }
 
 void FuseKind::OnInitTimeout(const std::string& volume_id, const std::string& path) {
-  auto ep = endpoints_.find(EndpointKey(volume_id, path));
-  if (ep == endpoints_.end()) return;
-  ep->second.init_timer = 0;
+  FuseEndpoint* ep = endpoints_.Find(volume_id, path);
+  if (ep == nullptr) return;
   // Answered meanwhile (the probe's end cancels this timer, unless it came during a retry).
-  if (ep->second.answer_probe == nullptr || !ep->second.answer_probe->pending()) return;
+  if (ep->answer_probe == nullptr || !ep->answer_probe->pending()) return;
   const state::Volume* v = host_.Find(volume_id);
   if (v == nullptr) return;
   ClaimQueue::Claim claim = host_.TryClaim(volume_id);
   if (!claim) {
     // An RPC on this volume is in progress (an unstage aborts the connection itself); look
     // again shortly.
-    ep->second.init_timer = host_.loop().AddTimer(std::chrono::seconds(1), [this, volume_id, path] {
-      OnInitTimeout(volume_id, path);
-    });
+    ep->init_deadline.Arm(std::chrono::seconds(1), [this, volume_id, path] { OnInitTimeout(volume_id, path); });
     return;
   }
-  const std::string server = ep->second.answer_server;
-  StopAnswerProbe(ep->second);  // the abort ends it (ENOTCONN): nothing more to learn from it
+  const std::string server = ep->answer_server;
+  ep->StopAnswerProbe();  // the abort ends it (ENOTCONN): nothing more to learn from it
   // As for a server that never came (OnHandoffTimeout): the mount stays, its connection is
   // aborted so that everything waiting on it (kubelet's checks too) fails fast, and the next
   // server that connects gets a fresh connection stacked on the mount.
@@ -335,7 +327,7 @@ void FuseKind::OnInitTimeout(const std::string& volume_id, const std::string& pa
       "; the connection was aborted, so the mount fails fast (ENOTCONN) instead of hanging, until a server that "
       "answers connects to ", v->fuse().socket_path(), " (it gets a fresh connection). Check that the server "
       "serves the fd it was handed (a launched program: /dev/fd/{fd} or {mountpoint}) and its logs");
-  GiveUpOnConnection(ep->second, *v, path, std::move(claim), "FuseServerNotAnswering", message,
+  GiveUpOnConnection(*ep, *v, path, std::move(claim), "FuseServerNotAnswering", message,
                      "init timeout: abort the connection its server does not answer");
 }
 

@@ -43,7 +43,7 @@ void FuseKind::Started() {
   for (const auto& [id, v] : host_.volumes()) {
     if (v.kind() != kFuseKind || v.fuse().socket_path().empty()) continue;
     const std::string path = FuseMountPath(v);
-    if (path.empty() || endpoints_.count(EndpointKey(id, path)) > 0) continue;
+    if (path.empty() || endpoints_.Find(id, path) != nullptr) continue;
     // Under the volume's claim: a repair (which makes the socket again itself) or an RPC on the
     // volume must not interleave with replacing its socket file. A volume that is busy now gets
     // its socket from that work's repair instead.
@@ -78,33 +78,32 @@ void FuseKind::Started() {
 }
 
 void FuseKind::OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why) {
-  auto ep = endpoints_.find(EndpointKey(volume_id, path));
-  if (ep == endpoints_.end()) return;
-  ep->second.gone_reason = std::string(why.message());
-  if (ep->second.recovering_since == absl::InfinitePast()) {
-    ep->second.recovering_since = absl::Now();
-    ep->second.recovering_how = "server restart";
+  FuseEndpoint* ep = endpoints_.Find(volume_id, path);
+  if (ep == nullptr) return;
+  ep->gone_reason = std::string(why.message());
+  if (ep->recovering_since == absl::InfinitePast()) {
+    ep->recovering_since = absl::Now();
+    ep->recovering_how = "server restart";
   }
   // Kubelet stops a pod's containers, its server sidecar too, just before it unpublishes the
   // pod's volumes: a server that stops then is a pod going away, not a failure. So the Warning
   // waits for a short grace, and is dropped if the endpoint is stopped (unpublished) meanwhile.
-  ++ep->second.gone_pending;
+  ++ep->gone_pending;
   // If no server serves the volume again within handoff_timeout, it is given up on as if none
   // had ever come (OnHandoffTimeout): the pod fails fast instead of waiting forever.
-  host_.loop().CancelTimer(ep->second.timeout);
-  ep->second.timeout = host_.loop().AddTimer(absl::ToChronoNanoseconds(options_.handoff_timeout),
-                                             [this, volume_id, path] { OnHandoffTimeout(volume_id, path); });
-  const uint64_t serial = ep->second.serial;
+  ep->handoff_deadline.Arm(absl::ToChronoNanoseconds(options_.handoff_timeout),
+                           [this, volume_id, path] { OnHandoffTimeout(volume_id, path); });
+  const uint64_t serial = ep->serial;
   const std::string message = absl::StrCat("the FUSE server of volume ", volume_id, " stopped (", why.message(),
                                            "); the mount is kept open and waits for the server to come back");
   host_.loop().AddTimer(
       absl::ToChronoNanoseconds(options_.server_gone_grace), [this, volume_id, path, message, serial] {
-        auto ep = endpoints_.find(EndpointKey(volume_id, path));
-        if (ep == endpoints_.end() || ep->second.serial != serial) return;  // unpublished meanwhile
-        --ep->second.gone_pending;
+        FuseEndpoint* ep = endpoints_.Find(volume_id, path, serial);
+        if (ep == nullptr) return;  // unpublished meanwhile
+        --ep->gone_pending;
         const state::Volume* v = host_.Find(volume_id);
         if (v == nullptr) return;
-        if (ep->second.endpoint->serving()) {
+        if (ep->endpoint->serving()) {
           // A server took the volume again within the grace (adopted, or given a fresh
           // connection): the volume is fine, and a Warning now would say otherwise.
           LOG(INFO) << "volume " << volume_id << ": its FUSE server is back within "
@@ -120,13 +119,13 @@ void FuseKind::OnServerGone(const std::string& volume_id, const std::string& pat
 }
 
 void FuseKind::OnServed(const std::string& volume_id, const std::string& path, bool adopted) {
-  auto ep = endpoints_.find(EndpointKey(volume_id, path));
-  if (ep == endpoints_.end()) return;
-  ep->second.gone_reason.clear();
-  if (ep->second.recovering_since == absl::InfinitePast()) return;  // a first handoff
-  const absl::Time since = ep->second.recovering_since;
-  const std::string how = ep->second.recovering_how;
-  ep->second.recovering_since = absl::InfinitePast();
+  FuseEndpoint* ep = endpoints_.Find(volume_id, path);
+  if (ep == nullptr) return;
+  ep->gone_reason.clear();
+  if (ep->recovering_since == absl::InfinitePast()) return;  // a first handoff
+  const absl::Time since = ep->recovering_since;
+  const std::string how = ep->recovering_how;
+  ep->recovering_since = absl::InfinitePast();
   const state::Volume* v = host_.Find(volume_id);
   if (v != nullptr && adopted) {
     host_.Event(*v, "Normal", "FuseServerRestarted",
@@ -215,15 +214,14 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
     return (void)repairs_.RetryLater(volume_id, [this, volume_id, why] { RepairFuse(volume_id, why); });
   }
   repairs_.Began(volume_id);
-  const std::string key = EndpointKey(volume_id, path);
-  auto ep = endpoints_.find(key);
+  FuseEndpoint* ep = endpoints_.Find(volume_id, path);
   absl::Time since = absl::Now();
-  if (ep != endpoints_.end()) {
-    if (ep->second.recovering_since == absl::InfinitePast()) ep->second.recovering_since = since;
-    since = ep->second.recovering_since;
-    ep->second.recovering_how = "fresh connection";
+  if (ep != nullptr) {
+    if (ep->recovering_since == absl::InfinitePast()) ep->recovering_since = since;
+    since = ep->recovering_since;
+    ep->recovering_how = "fresh connection";
     // The job aborts the old connection first (RemountFuseBlocking): our own act.
-    ep->second.endpoint->ExpectAbort();
+    ep->endpoint->ExpectAbort();
   }
   host_.Event(*v, "Warning", "FuseServerNotConnected",
               absl::StrCat("volume ", volume_id, ": ", why, "; mounting a fresh connection"));
@@ -232,11 +230,10 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
     RebindOutcome rebound;
     UniqueFd listen_fd;
   };
-  const bool need_listen = ep == endpoints_.end();
+  const bool need_listen = ep == nullptr;
   KindJob job{
       "recovery: fresh FUSE connection",
-      [this, ctx = host_.ops_context(), v = *v, need_listen, volume_id, path, key,
-       since]() -> absl::StatusOr<AdoptFn> {
+      [this, ctx = host_.ops_context(), v = *v, need_listen, volume_id, path, since]() -> absl::StatusOr<AdoptFn> {
         auto r = std::make_shared<Repaired>();
         auto m = RemountFuseBlocking(ctx, v);
         if (!m.ok()) return m.status();
@@ -249,21 +246,21 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
           if (!l.ok()) return l.status();
           r->listen_fd = std::move(*l);
         }
-        return AdoptFn([this, r, volume_id, path, key, since] {
+        return AdoptFn([this, r, volume_id, path, since] {
           repairs_.Succeeded(volume_id);
-          auto ep = endpoints_.find(key);
-          if (ep != endpoints_.end()) {
-            StopAnswerProbe(ep->second);  // the connection it asked through is gone
-            ep->second.endpoint->ReplaceConnection(std::move(r->remounted.fuse_fd));
+          FuseEndpoint* ep = endpoints_.Find(volume_id, path);
+          if (ep != nullptr) {
+            ep->StopAnswerProbe();  // the connection it asked through is gone
+            ep->endpoint->ReplaceConnection(std::move(r->remounted.fuse_fd));
           } else {
             StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->listen_fd), {}, {},
                           /*unclaimed_timeout=*/false);
-            ep = endpoints_.find(key);
+            ep = endpoints_.Find(volume_id, path);
           }
-          ep->second.recovering_since = since;
-          ep->second.recovering_how = "fresh connection";
-          ep->second.gave_up = false;
-          ep->second.gone_reason.clear();
+          ep->recovering_since = since;
+          ep->recovering_how = "fresh connection";
+          ep->gave_up = false;
+          ep->gone_reason.clear();
           ReportRebind(r->rebound);
           LOG(INFO) << "volume " << volume_id << ": fresh FUSE connection mounted at " << path << ", "
                     << r->rebound.rebound.size() << " target(s) re-bound; waiting for a server";
@@ -375,28 +372,28 @@ bool FuseKind::Audit(const MountTable& table, const state::Volume& v, const std:
 void FuseKind::ContainerRestarted(const state::Volume& v, const std::string& pod_uid, const std::string& container) {
   LOG(INFO) << "volume " << v.volume_id() << ": the kubelet reports container " << container << " of pod " << pod_uid
             << " restarted";
-  auto ep = endpoints_.find(EndpointKey(v.volume_id(), FuseMountPath(v)));
-  if (ep != endpoints_.end() && ep->second.recovering_since == absl::InfinitePast() &&
-      !ep->second.endpoint->serving()) {
-    ep->second.recovering_since = absl::Now();
-    ep->second.recovering_how = "server restart";
+  FuseEndpoint* ep = endpoints_.Find(v.volume_id(), FuseMountPath(v));
+  if (ep != nullptr && ep->recovering_since == absl::InfinitePast() &&
+      !ep->endpoint->serving()) {
+    ep->recovering_since = absl::Now();
+    ep->recovering_how = "server restart";
   }
 }
 
 void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
   std::string state;
-  auto ep = endpoints_.find(EndpointKey(v.volume_id(), FuseMountPath(v)));
+  const FuseEndpoint* ep = endpoints_.Find(v.volume_id(), FuseMountPath(v));
   if (repairs_.running(v.volume_id())) {
     state = "repairing";
     ++c->repairs_in_progress;
-  } else if (ep == endpoints_.end()) {
+  } else if (ep == nullptr) {
     state = "unwatched";
-  } else if (ep->second.endpoint->serving()) {
+  } else if (ep->endpoint->serving()) {
     state = "serving";
-    if (ep->second.relayed) ++c->relayed;
-  } else if (ep->second.endpoint->awaiting_redeposit()) {
+    if (ep->relayed) ++c->relayed;
+  } else if (ep->endpoint->awaiting_redeposit()) {
     state = "awaiting_redeposit";  // mounted before an agent restart; its server has not re-deposited
-  } else if (ep->second.endpoint->served()) {
+  } else if (ep->endpoint->served()) {
     state = "server_gone";
   } else {
     state = "waiting_for_server";
