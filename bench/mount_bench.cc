@@ -443,7 +443,9 @@ void BM_PublishUnpublishBlocking(benchmark::State& state) {
     state::Volume v = loaded[0];
     auto* t = v.add_targets();
     t->set_path(parent + "/mount");
-    auto published = PublishBlocking(ctx, v, v.targets_size() - 1, loaded[0], BindOptions{});
+    auto source = OpenStagingMountBlocking(ctx, v);
+    CHECK(source.ok()) << source.status();
+    auto published = PublishBlocking(ctx, v, v.targets_size() - 1, loaded[0], BindOptions{}, std::move(*source));
     CHECK(published.ok()) << published.status();
     auto left = UnpublishBlocking(ctx, *published, parent + "/mount");
     CHECK(left.ok()) << left.status();

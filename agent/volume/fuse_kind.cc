@@ -264,7 +264,9 @@ absl::StatusOr<KindJob> FuseKind::Publish(PublishCall call) {
     return StateJob("NodePublishVolume",
                     [ctx = host_.ops_context(), v = std::move(v), index = call.index, previous = std::move(call.previous),
                      bind = StagedTargetBind(req)]() mutable -> absl::StatusOr<std::optional<state::Volume>> {
-                      auto r = PublishBlocking(ctx, std::move(v), index, std::move(previous), bind);
+                      auto source = OpenStagingMountBlocking(ctx, v);
+                      if (!source.ok()) return source.status();
+                      auto r = PublishBlocking(ctx, std::move(v), index, std::move(previous), bind, std::move(*source));
                       if (!r.ok()) return r.status();
                       return std::optional<state::Volume>(std::move(*r));
                     });

@@ -82,6 +82,25 @@ FuseMountOptions MountOptionsFor(const state::Volume& v, bool read_only_target) 
   return mo;
 }
 
+// The FUSE mount at the staging path (target_index < 0) or at a target is being made.
+void MarkPending(state::Volume& v, int target_index) {
+  if (target_index < 0) return v.set_staging_pending(true);
+  v.mutable_targets(target_index)->set_pending(true);
+}
+
+// ... and was made: `id`, in a directory we `created` or not.
+void RecordMounted(state::Volume& v, int target_index, const state::MountIdentity& id, bool created) {
+  if (target_index < 0) {
+    *v.mutable_staging_mount() = id;
+    v.set_staging_pending(false);
+    return;
+  }
+  state::Target* t = v.mutable_targets(target_index);
+  *t->mutable_mount() = id;
+  t->set_created(created);
+  t->set_pending(false);
+}
+
 }  // namespace
 
 absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx, state::Volume v,
@@ -89,18 +108,13 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
                                                     bool socket_in_kubelet_dir) {
   const bool staging = target_index < 0;
   const std::string path = staging ? v.staging_path() : v.targets(target_index).path();
-  if (staging) {
-    v.set_staging_pending(true);
-  } else {
-    v.mutable_targets(target_index)->set_pending(true);
-  }
+  MarkPending(v, target_index);
   v.set_is_directory(true);
   // Intent first: a kill -9 after the FUSE mount but before the save below leaves a mount the
   // start-up reconcile recognises (by subtype and source) only because this entry announces it.
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   auto fail = [&](absl::Status s) {
-    absl::Status r = previous ? ctx.store->SaveBlocking(*previous) : ctx.store->RemoveBlocking(v.volume_id());
-    if (!r.ok()) LOG(ERROR) << "rolling back state of volume " << v.volume_id() << ": " << r;
+    RollBack(ctx, v.volume_id(), previous);
     return s;
   };
 
@@ -139,11 +153,7 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
   auto facts = LookupMountAtBlocking(mounted->get(), table_path);
   if (!facts.ok()) return fail(facts.status());
   if (!facts->has_value()) return fail(absl::InternalError(absl::StrCat("FUSE mount at ", path, " vanished")));
-  state::MountIdentity id;
-  id.set_dev_major((*facts)->dev_major);
-  id.set_dev_minor((*facts)->dev_minor);
-  id.set_root((*facts)->root);
-  id.set_unique_id((*facts)->mnt_id);
+  const state::MountIdentity id = IdentityOf(**facts);
   v.set_source_dev_major(id.dev_major());
   v.set_source_dev_minor(id.dev_minor());
   auto listen = HandoffEndpoint::ListenBlocking(socket_dir->get(), Name(v.fuse().socket_path()),
@@ -155,15 +165,7 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
     if (created) unlinkat(parent->get(), name.c_str(), AT_REMOVEDIR);
     return fail(listen.status());
   }
-  if (staging) {
-    *v.mutable_staging_mount() = id;
-    v.set_staging_pending(false);
-  } else {
-    state::Target* t = v.mutable_targets(target_index);
-    *t->mutable_mount() = id;
-    t->set_created(created);
-    t->set_pending(false);
-  }
+  RecordMounted(v, target_index, id, created);
   // Done: the mount's identity, which tells it from a later repair's layer or a foreign mount.
   if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
   return FuseMounted{std::move(v), std::move(*dev), std::move(*listen)};
@@ -262,6 +264,74 @@ absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, s
   return out;
 }
 
+namespace {
+
+// One target of RebindTargetsBlocking: returns whether its record changed (in `t`).
+bool RebindTargetBlocking(const VolumeOpsContext& ctx, const std::string& staging_rel, const state::Volume& v,
+                          state::Target* t, RebindOutcome& o) {
+  const state::MountIdentity& global = v.staging_mount();
+  if (t->pending()) return false;
+  auto rel = ctx.kubelet->Relative(t->path(), "target_path");
+  if (!rel.ok()) {
+    o.failed.push_back(absl::StrCat(t->path(), ": ", rel.status().message()));
+    return false;
+  }
+  if (!ctx.kubelet->OpenParentBlocking(*rel).ok()) {
+    // The pod's volume directory is gone (the pod is being deleted): not ours to touch.
+    o.skipped.push_back(t->path());
+    return false;
+  }
+  state::MountIdentity base = TargetBase(*t);
+  auto stripped = StripToBaseBlocking(*ctx.kubelet, t->path(), base, global);
+  if (!stripped.ok()) {
+    o.failed.push_back(absl::StrCat(t->path(), ": ", stripped.status().message()));
+    return false;
+  }
+  if (stripped->removed > 1) o.stacked_removed += stripped->removed - 1;
+  // The base as it is now, in this mount namespace (the record may be another namespace's).
+  if (stripped->at_base) base = IdentityOf(*stripped->top);
+  std::optional<sys::MountFacts> top = std::move(stripped->top);
+  if (!stripped->live) {
+    // Stack a bind of the live global mount on the base (or, if the target lost every mount,
+    // make it the new base).
+    auto source = ctx.kubelet->OpenPathBlocking(staging_rel);
+    auto target = ctx.kubelet->OpenPathBlocking(*rel);
+    if (!source.ok() || !target.ok()) {
+      o.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
+      return false;
+    }
+    BindOptions bind;
+    bind.read_only = t->readonly();
+    bind.follow_source = true;
+    if (auto s = BindMountFdBlocking(source->get(), target->get(), bind, v.staging_path(), t->path()); !s.ok()) {
+      o.failed.push_back(absl::StrCat(t->path(), ": ", s.message()));
+      return false;
+    }
+    target->Reset();
+    auto now = TopOfBlocking(*ctx.kubelet, t->path());
+    if (!now.ok() || !now->has_value()) {
+      o.failed.push_back(absl::StrCat(t->path(), ": the new bind mount vanished"));
+      return false;
+    }
+    if (!stripped->at_base) base = IdentityOf(**now);
+    top = std::move(*now);
+  } else if (IsMount(*top, t->mount())) {
+    return false;  // healthy: already on the live connection
+  }
+  // Else the live layer arrived by propagation from the global mount.
+  if (!VisibleThroughBase(*top, base)) {
+    o.failed.push_back(absl::StrCat(t->path(), ": the live connection is not on the mount its containers follow"));
+    return false;
+  }
+  *t->mutable_mount() = IdentityOf(*top);
+  *t->mutable_base() = base;
+  o.rebound.push_back(t->path());
+  CrashPoint("recovery-rebound-one");
+  return true;
+}
+
+}  // namespace
+
 absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx, state::Volume v) {
   RebindOutcome out;
   if (v.staging_path().empty() || v.staging_pending()) {
@@ -270,70 +340,9 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
   }
   auto staging_rel = ctx.kubelet->Relative(v.staging_path(), "staging_target_path");
   if (!staging_rel.ok()) return staging_rel.status();
-  const state::MountIdentity global = v.staging_mount();
   bool changed = false;
   // Each target is independent, and most of the time goes to waiting in umount (RCU grace
   // periods), so several are repaired at once.
-  auto rebind_one = [&](state::Target* t, RebindOutcome& o, bool* changed) {
-    if (t->pending()) return;
-    auto rel = ctx.kubelet->Relative(t->path(), "target_path");
-    if (!rel.ok()) {
-      o.failed.push_back(absl::StrCat(t->path(), ": ", rel.status().message()));
-      return;
-    }
-    if (!ctx.kubelet->OpenParentBlocking(*rel).ok()) {
-      // The pod's volume directory is gone (the pod is being deleted): not ours to touch.
-      o.skipped.push_back(t->path());
-      return;
-    }
-    state::MountIdentity base = TargetBase(*t);
-    auto stripped = StripToBaseBlocking(*ctx.kubelet, t->path(), base, global);
-    if (!stripped.ok()) {
-      o.failed.push_back(absl::StrCat(t->path(), ": ", stripped.status().message()));
-      return;
-    }
-    if (stripped->removed > 1) o.stacked_removed += stripped->removed - 1;
-    // The base as it is now, in this mount namespace (the record may be another namespace's).
-    if (stripped->at_base) base = IdentityOf(*stripped->top);
-    std::optional<sys::MountFacts> top = std::move(stripped->top);
-    if (!stripped->live) {
-      // Stack a bind of the live global mount on the base (or, if the target lost every mount,
-      // make it the new base).
-      auto source = ctx.kubelet->OpenPathBlocking(*staging_rel);
-      auto target = ctx.kubelet->OpenPathBlocking(*rel);
-      if (!source.ok() || !target.ok()) {
-        o.failed.push_back(absl::StrCat(t->path(), ": ", (!source.ok() ? source.status() : target.status()).message()));
-        return;
-      }
-      BindOptions bind;
-      bind.read_only = t->readonly();
-      bind.follow_source = true;
-      if (auto s = BindMountFdBlocking(source->get(), target->get(), bind, v.staging_path(), t->path()); !s.ok()) {
-        o.failed.push_back(absl::StrCat(t->path(), ": ", s.message()));
-        return;
-      }
-      target->Reset();
-      auto now = TopOfBlocking(*ctx.kubelet, t->path());
-      if (!now.ok() || !now->has_value()) {
-        o.failed.push_back(absl::StrCat(t->path(), ": the new bind mount vanished"));
-        return;
-      }
-      if (!stripped->at_base) base = IdentityOf(**now);
-      top = std::move(*now);
-    } else if (IsMount(*top, t->mount())) {
-      return;  // healthy: already on the live connection
-    }
-    // Else the live layer arrived by propagation from the global mount.
-    if (!VisibleThroughBase(*top, base)) {
-      o.failed.push_back(absl::StrCat(t->path(), ": the live connection is not on the mount its containers follow"));
-      return;
-    }
-    *t->mutable_mount() = IdentityOf(*top);
-    *t->mutable_base() = base;
-    o.rebound.push_back(t->path());
-    *changed = true;
-    CrashPoint("recovery-rebound-one");
-  };
   const int n = v.targets_size();
   const int workers = std::min(8, std::max(1, n / 8));
   std::vector<RebindOutcome> partial(static_cast<size_t>(workers));
@@ -341,7 +350,9 @@ absl::StatusOr<RebindOutcome> RebindTargetsBlocking(const VolumeOpsContext& ctx,
   std::atomic<int> next{0};
   auto work = [&](int w) {
     bool c = false;
-    for (int i = next++; i < n; i = next++) rebind_one(v.mutable_targets(i), partial[static_cast<size_t>(w)], &c);
+    for (int i = next++; i < n; i = next++) {
+      c = RebindTargetBlocking(ctx, *staging_rel, v, v.mutable_targets(i), partial[static_cast<size_t>(w)]) || c;
+    }
     changed_by[static_cast<size_t>(w)] = c;
   };
   std::vector<std::thread> threads;

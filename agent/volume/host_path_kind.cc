@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "agent/paths/host_path.h"
+#include "agent/volume/host_path_ops.h"
 #include "agent/volume/volume_spec.h"
 #include "glog/logging.h"
 
@@ -40,13 +41,13 @@ void HostPathKind::ApplySpec(const state::Spec& spec, state::Volume* v) const {
 }
 
 absl::StatusOr<KindJob> HostPathKind::Stage(StageCall call) {
-  // A repeat runs again too: StageBlocking adopts the mount it finds, or makes a lost one again.
+  // A repeat runs again too: StageHostPathBlocking adopts the mount it finds, or makes a lost one again.
   auto bind = ParseBindOptions(call.req->volume_capability(), false, kHostPathKind);
   if (!bind.ok()) return bind.status();
   return StateJob("NodeStageVolume",
                   [ctx = host_.ops_context(), v = std::move(call.volume), previous = std::move(call.previous),
                    bind = *bind]() mutable -> absl::StatusOr<std::optional<state::Volume>> {
-                    auto r = StageBlocking(ctx, std::move(v), std::move(previous), bind);
+                    auto r = StageHostPathBlocking(ctx, std::move(v), std::move(previous), bind);
                     if (!r.ok()) return r.status();
                     return std::optional<state::Volume>(std::move(*r));
                   });
@@ -77,7 +78,11 @@ absl::StatusOr<KindJob> HostPathKind::Publish(PublishCall call) {
                   [ctx = host_.ops_context(), v = std::move(call.volume), index = call.index,
                    previous = std::move(call.previous), bind = *bind]() mutable
                   -> absl::StatusOr<std::optional<state::Volume>> {
-                    auto r = PublishBlocking(ctx, std::move(v), index, std::move(previous), bind);
+                    // From the staging mount, or (ephemeral) the host path itself.
+                    auto source = v.staging_path().empty() ? OpenEphemeralHostPathBlocking(ctx, &v)
+                                                           : OpenStagingMountBlocking(ctx, v);
+                    if (!source.ok()) return source.status();
+                    auto r = PublishBlocking(ctx, std::move(v), index, std::move(previous), bind, std::move(*source));
                     if (!r.ok()) return r.status();
                     return std::optional<state::Volume>(std::move(*r));
                   });

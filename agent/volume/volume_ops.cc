@@ -16,13 +16,7 @@
 #include "glog/logging.h"
 
 namespace fusekeeper {
-namespace {
 
-// A non-directory source (file, socket, device) cannot be bound onto the staging directory
-// kubelet creates, so it is bound onto this file inside it.
-constexpr char kStagedFileName[] = "hostpath";
-
-// Absolute path as the mount table shows it (kubelet dir symlinks resolved).
 std::string Abs(const VolumeOpsContext& ctx, const std::string& rel) {
   return absl::StrCat(ctx.kubelet->real_path(), "/", rel);
 }
@@ -48,6 +42,8 @@ absl::StatusOr<state::MountIdentity> IdentifyBlocking(int fd, const std::string&
 bool SameDevice(const std::optional<sys::MountFacts>& facts, uint32_t major, uint32_t minor) {
   return facts.has_value() && facts->dev_major == major && facts->dev_minor == minor;
 }
+
+namespace {
 
 // A staged volume's targets follow the global mount (see mount_stack.h).
 BindOptions StagedBind(const state::Volume& v, BindOptions bind) {
@@ -76,15 +72,14 @@ void RollBackTarget(const VolumeOpsContext& ctx, const state::Volume& v, const s
   if (!s.ok()) LOG(ERROR) << "rolling back state of volume " << v.volume_id() << " at " << path << ": " << s;
 }
 
-// Restores what was saved before a failed operation began.
+}  // namespace
+
 void RollBack(const VolumeOpsContext& ctx, const std::string& volume_id,
               const std::optional<state::Volume>& previous) {
   absl::Status s = previous ? ctx.store->SaveBlocking(*previous) : ctx.store->RemoveBlocking(volume_id);
   if (!s.ok()) LOG(ERROR) << "rolling back state of volume " << volume_id << ": " << s;
 }
 
-// Creates the mount point (a directory, or an empty file for non-directory sources) if missing.
-// Returns whether it created it.
 absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const std::string& rel,
                                               bool directory) {
   auto parent = ctx.kubelet->OpenParentBlocking(rel);
@@ -118,6 +113,8 @@ absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const
   return false;
 }
 
+namespace {
+
 // Removes a mount point we created (or any empty directory).
 void RemoveMountPointBlocking(const VolumeOpsContext& ctx, const std::string& rel, bool directory,
                               bool created) {
@@ -145,13 +142,6 @@ void RemoveMountPointBlocking(const VolumeOpsContext& ctx, const std::string& re
 
 }  // namespace
 
-bool EphemeralHostPathAllowed(const VolumeOpsContext& ctx, const std::string& path) {
-  for (const std::string& prefix : ctx.ephemeral_host_path_prefixes) {
-    if (IsAtOrBelow(path, prefix)) return true;
-  }
-  return false;
-}
-
 bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::MountIdentity& id) {
   if (!facts.has_value()) return false;
   if (facts->dev_major != id.dev_major() || facts->dev_minor != id.dev_minor() ||
@@ -161,112 +151,32 @@ bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::Moun
   return id.unique_id() == 0 || facts->mnt_id == 0 || facts->mnt_id == id.unique_id();
 }
 
-absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::Volume v,
-                                            std::optional<state::Volume> previous,
-                                            const BindOptions& bind) {
-  auto type = ParseHostPathType(v.host_path_type());
-  if (!type.ok()) return type.status();
-  auto source = OpenHostPathBlocking(v.host_path(), *type, /*untrusted=*/false, ctx.host_root);
-  if (!source.ok()) return source.status();
-  struct stat st;
-  if (fstat(source->fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", v.host_path());
-  v.set_is_directory(source->is_directory);
-  v.set_source_dev_major(major(st.st_dev));
-  v.set_source_dev_minor(minor(st.st_dev));
-  v.set_staging_pending(true);
-  // Intent first: a kill -9 after the bind but before the save below leaves a mount that the
-  // start-up reconcile attributes (by the source's device) only because this entry names it.
-  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
-  CrashPoint("stage-intent-saved");
-
-  auto fail = [&](absl::Status s) {
-    RollBack(ctx, v.volume_id(), previous);
-    return s;
-  };
+absl::StatusOr<PublishSource> OpenStagingMountBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {
   auto rel = Rel(ctx, v.staging_path());
-  if (!rel.ok()) return fail(rel.status());
-  if (auto made = EnsureMountPointBlocking(ctx, *rel, /*directory=*/true); !made.ok()) return fail(made.status());
-  std::string mount_rel = *rel;
-  if (!v.is_directory()) {
-    mount_rel = absl::StrCat(*rel, "/", kStagedFileName);
-    if (auto made = EnsureMountPointBlocking(ctx, mount_rel, false); !made.ok()) return fail(made.status());
+  if (!rel.ok()) return rel.status();
+  std::string mount_rel = v.is_directory() ? *rel : absl::StrCat(*rel, "/", kStagedFileName);
+  PublishSource source{UniqueFd(), Abs(ctx, mount_rel)};
+  auto fd = ctx.kubelet->OpenPathBlocking(mount_rel);
+  if (!fd.ok()) return fd.status();
+  auto facts = LookupMountAtBlocking(fd->get(), source.name);
+  if (!facts.ok()) return facts.status();
+  if (!MountMatches(*facts, v.staging_mount())) {
+    return absl::FailedPreconditionError(absl::StrCat("volume ", v.volume_id(),
+                                                      " is no longer mounted at its staging path ", source.name,
+                                                      "; stage it again"));
   }
-  const std::string mount_path = Abs(ctx, mount_rel);
-  auto target = ctx.kubelet->OpenPathBlocking(mount_rel);
-  if (!target.ok()) return fail(target.status());
-  auto facts = LookupMountAtBlocking(target->get(), mount_path);
-  if (!facts.ok()) return fail(facts.status());
-  if (SameDevice(*facts, v.source_dev_major(), v.source_dev_minor())) {
-    LOG(INFO) << "volume " << v.volume_id() << ": " << mount_path << " is already mounted; adopting it";
-  } else {
-    if (auto s = BindMountFdBlocking(source->fd.get(), target->get(), bind, v.host_path(), mount_path); !s.ok()) {
-      return fail(s);
-    }
-    CrashPoint("stage-mounted");
-  }
-  auto mounted = ctx.kubelet->OpenPathBlocking(mount_rel);
-  if (!mounted.ok()) return fail(mounted.status());
-  auto id = IdentifyBlocking(mounted->get(), mount_path);
-  if (!id.ok()) return fail(id.status());
-  *v.mutable_staging_mount() = *id;
-  v.set_staging_pending(false);
-  // Done: the mount's identity, which tells our mount from anything stacked or swapped later.
-  if (auto s = ctx.store->SaveBlocking(v); !s.ok()) return s;
-  return v;
+  source.fd = std::move(*fd);
+  return source;
 }
 
 absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state::Volume v, int index,
-                                              std::optional<state::Volume> previous,
-                                              const BindOptions& bind) {
+                                              std::optional<state::Volume> previous, const BindOptions& bind,
+                                              PublishSource source) {
   const std::string target_path = v.targets(index).path();
   auto fail = [&](absl::Status s) {
     RollBackTarget(ctx, v, target_path, previous);
     return s;
   };
-  // The source: the staging mount, or (ephemeral) the host path itself.
-  UniqueFd source;
-  std::string source_name;
-  if (!v.staging_path().empty()) {
-    auto rel = Rel(ctx, v.staging_path());
-    if (!rel.ok()) return rel.status();
-    std::string mount_rel = v.is_directory() ? *rel : absl::StrCat(*rel, "/", kStagedFileName);
-    source_name = Abs(ctx, mount_rel);
-    auto fd = ctx.kubelet->OpenPathBlocking(mount_rel);
-    if (!fd.ok()) return fd.status();
-    auto facts = LookupMountAtBlocking(fd->get(), source_name);
-    if (!facts.ok()) return facts.status();
-    if (!MountMatches(*facts, v.staging_mount())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "volume ", v.volume_id(), " is no longer mounted at its staging path ", source_name,
-          "; stage it again"));
-    }
-    source = std::move(*fd);
-  } else {
-    auto type = ParseHostPathType(v.host_path_type());
-    if (!type.ok()) return type.status();
-    auto opened = OpenHostPathBlocking(v.host_path(), *type, /*untrusted=*/true, ctx.host_root);
-    if (!opened.ok()) return opened.status();
-    // The check that matters is on what was opened: symlinks cannot lead it elsewhere.
-    auto real = RealPathOfFd(opened->fd.get());
-    if (!real.ok()) return real.status();
-    // As the node names it: the agent sees the node's root at host_root.
-    if (!ctx.host_root.empty() && IsAtOrBelow(*real, ctx.host_root)) {
-      *real = real->size() == ctx.host_root.size() ? "/" : real->substr(ctx.host_root.size());
-    }
-    if (!EphemeralHostPathAllowed(ctx, *real)) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "hostPath ", v.host_path(), " resolves to ", *real,
-          ", which is not below --ephemeral_host_path_prefixes"));
-    }
-    struct stat st;
-    if (fstat(opened->fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", v.host_path());
-    v.set_is_directory(opened->is_directory);
-    v.set_source_dev_major(major(st.st_dev));
-    v.set_source_dev_minor(minor(st.st_dev));
-    source = std::move(opened->fd);
-    source_name = v.host_path();
-  }
-
   state::Target* t = v.mutable_targets(index);
   t->set_pending(true);
   // Intent first: a kill -9 after the bind but before the save below leaves a mount that the
@@ -294,7 +204,7 @@ absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state
   } else if (facts->has_value()) {
     return fail(absl::AlreadyExistsError(absl::StrCat(
         "something else (", (*facts)->fs_type, ") is already mounted at ", t->path())));
-  } else if (auto s = BindMountFdBlocking(source.get(), target->get(), StagedBind(v, bind), source_name, t->path());
+  } else if (auto s = BindMountFdBlocking(source.fd.get(), target->get(), StagedBind(v, bind), source.name, t->path());
              !s.ok()) {
     if (*created) RemoveMountPointBlocking(ctx, *rel, v.is_directory(), true);
     return fail(s);

@@ -1,4 +1,7 @@
-// The blocking halves of the Node RPCs for host-path volumes. Every function here runs on the
+// The blocking halves of volume operations that both kinds share (host_path_kind.h,
+// fuse_kind.h): binding a staged volume's targets to its staging mount, unpublishing, unstaging,
+// stats, re-identifying mounts after a restart, and the mount-point and state helpers the kinds'
+// own halves use (host_path_ops.h, fuse_volume_ops.h). Every function here runs on the
 // BlockingPool, takes a copy of the volume's state, and returns the new state for the loop to
 // adopt. Intent is written first (`pending`), the mount is made on file descriptors, then its
 // identity is recorded, so a kill -9 between any two steps is repaired by Reconcile at start-up.
@@ -11,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "agent/base/unique_fd.h"
 #include "agent/mount/mount_ops.h"
 #include "agent/paths/kubelet_dir.h"
 #include "agent/volume/mount_stack.h"
@@ -31,23 +35,43 @@ struct VolumeOpsContext {
   std::string host_root;
 };
 
-// Whether an unstaged host-path volume may come from `path` (see ephemeral_host_path_prefixes).
-bool EphemeralHostPathAllowed(const VolumeOpsContext& ctx, const std::string& path);
+// A non-directory source (file, socket, device) cannot be bound onto the staging directory
+// kubelet creates, so it is bound onto this file inside it.
+inline constexpr char kStagedFileName[] = "hostpath";
+
+// A path beneath the kubelet dir: relative to it (checked), and absolute as the mount table shows
+// it (kubelet dir symlinks resolved).
+absl::StatusOr<std::string> Rel(const VolumeOpsContext& ctx, const std::string& path);
+std::string Abs(const VolumeOpsContext& ctx, const std::string& rel);
+
+// The identity of the mount at `fd` (opened at `path`), which must be a mount.
+absl::StatusOr<state::MountIdentity> IdentifyBlocking(int fd, const std::string& path);
+bool SameDevice(const std::optional<sys::MountFacts>& facts, uint32_t major, uint32_t minor);
+
+// Restores what was saved of the volume before a failed operation began (none: removes it).
+void RollBack(const VolumeOpsContext& ctx, const std::string& volume_id, const std::optional<state::Volume>& previous);
+
+// Creates the mount point `rel` (a directory, or an empty file for non-directory sources) if
+// missing; refuses a symlink or the wrong type. Returns whether it created it.
+absl::StatusOr<bool> EnsureMountPointBlocking(const VolumeOpsContext& ctx, const std::string& rel, bool directory);
 
 // Whether `facts` (what is mounted at a path) is the mount `id` describes.
 bool MountMatches(const std::optional<sys::MountFacts>& facts, const state::MountIdentity& id);
 
-// Stages `volume` (host_path, host_path_type and staging_path set) at its staging path.
-// `existed`: whether a previous state of this volume was saved (to restore it on failure).
-absl::StatusOr<state::Volume> StageBlocking(const VolumeOpsContext& ctx, state::Volume volume,
-                                            std::optional<state::Volume> previous,
-                                            const BindOptions& bind);
+// What a target is bound from, and its name for messages.
+struct PublishSource {
+  UniqueFd fd;
+  std::string name;
+};
 
-// Publishes volume.targets(index). For a staged volume the source is its staging mount, for an
-// unstaged (ephemeral) one the host path itself.
-absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state::Volume volume,
-                                              int index, std::optional<state::Volume> previous,
-                                              const BindOptions& bind);
+// A staged volume's staging mount, checked to be the one recorded (FAILED_PRECONDITION if not).
+absl::StatusOr<PublishSource> OpenStagingMountBlocking(const VolumeOpsContext& ctx, const state::Volume& volume);
+
+// Publishes volume.targets(index) by binding `source` there (a staged volume's targets follow
+// it: mount_stack.h); a repeat adopts the bind it finds.
+absl::StatusOr<state::Volume> PublishBlocking(const VolumeOpsContext& ctx, state::Volume volume, int index,
+                                              std::optional<state::Volume> previous, const BindOptions& bind,
+                                              PublishSource source);
 
 // Unmounts and removes target `path` of `volume`. Returns the remaining state, or nullopt if the
 // volume has nothing left (its state file is then removed).
