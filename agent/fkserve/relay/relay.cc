@@ -3,6 +3,7 @@
 #include <linux/fuse.h>
 
 #include "agent/fkserve/relay/kernel_notifier.h"
+#include "agent/fkserve/relay/program_socket.h"
 #include "agent/fkserve/relay/pulse.h"
 
 #include <fcntl.h>
@@ -28,11 +29,6 @@ namespace fusekeeper::relay {
 
 namespace {
 
-// Asked for each end of a program's socket pair; the kernel caps it at net.core.wmem_max.
-constexpr int kSocketBufferBytes = 4 << 20;
-// A WRITE of 1 MiB (libfuse3's largest) with its headers: no message needs more.
-constexpr size_t kLargestUsefulMessage = (1 << 20) + 4096;
-
 // Runs fn on the relay's loop thread and waits for what it returns; nullopt (fn not run) once
 // the loop has stopped. Every Relay method but Start and Stop comes through here. `now`: the
 // caller is the loop's thread (a relay on its owner's loop): fn runs at once.
@@ -45,12 +41,6 @@ auto RunOn(Loop& loop, bool now, F fn) -> std::optional<decltype(fn())> {
   std::promise<decltype(fn())> result;
   if (!loop.Post([&] { result.set_value(fn()); })) return std::nullopt;
   return result.get_future().get();
-}
-
-void SizeBuffers(int fd) {
-  int bytes = kSocketBufferBytes;
-  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
 }
 
 }  // namespace
@@ -453,23 +443,9 @@ struct Relay::LoopState final : RelayOutput {
 absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(int kernel_fd, RelayCallbacks callbacks, UniqueFd state,
                                                    Durability durability, Loop* on) {
   std::unique_ptr<Relay> r(new Relay());
-  // The largest message a socket pair carries here: the sender's buffer, less the kernel's own
-  // 32 bytes of accounting (unix_dgram_sendmsg), and a margin.
-  int probe[2];
-  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, probe) != 0) {
-    return absl::InternalError(absl::StrCat("socketpair: ", strerror(errno)));
-  }
-  SizeBuffers(probe[0]);
-  int sndbuf = 0;
-  socklen_t len = sizeof(sndbuf);
-  getsockopt(probe[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, &len);
-  close(probe[0]);
-  close(probe[1]);
-  if (sndbuf < 64 * 1024) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("a socket's send buffer is only ", sndbuf, " bytes here (net.core.wmem_max): too small to relay FUSE"));
-  }
-  r->max_message_ = std::min<size_t>(static_cast<size_t>(sndbuf) - 32 - 512, kLargestUsefulMessage);
+  auto largest = LargestProgramMessage();
+  if (!largest.ok()) return largest.status();
+  r->max_message_ = *largest;
 
   // On a loop of its own: the ring, or epoll where seccomp refuses io_uring (the relay only polls,
   // and reads and writes by itself).
@@ -560,21 +536,15 @@ void Relay::Stop() {
 }
 
 absl::StatusOr<UniqueFd> Relay::NewInstanceSocket() {
-  int sv[2];
-  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
-    return absl::InternalError(absl::StrCat("socketpair: ", strerror(errno)));
-  }
-  SizeBuffers(sv[0]);
-  SizeBuffers(sv[1]);
-  fcntl(sv[0], F_SETFL, O_NONBLOCK);  // ours only: the program's end stays blocking, like /dev/fuse
-  UniqueFd ours(sv[0]), theirs(sv[1]);
+  auto pair = NewProgramSocketPair();
+  if (!pair.ok()) return pair.status();
   LoopState* st = state_.get();
   const bool attached = st->Call([&] {
-                          st->Attach(std::move(ours));
+                          st->Attach(std::move(pair->ours));
                           return true;
                         }).has_value();
   if (!attached) return absl::UnavailableError("the relay has stopped");
-  return theirs;
+  return std::move(pair->theirs);
 }
 
 void Relay::WatchPrograms(ProgramLimits limits) {
