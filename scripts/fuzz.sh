@@ -26,11 +26,11 @@ build handoff_fuzz tests/fuzz/handoff_fuzz.cc agent/fuse/handoff_protocol.cc age
 build paths_fuzz tests/fuzz/paths_fuzz.cc agent/paths/host_path.cc agent/base/status.cc
 build pod_list_fuzz tests/fuzz/pod_list_fuzz.cc agent/kubelet/pod_list.cc -lsimdjson
 build csi_request_fuzz tests/fuzz/csi_request_fuzz.cc agent/csi/validate.cc agent/csi/redact.cc "$gen/proto/csi.pb.cc" -lprotobuf
-build admission_fuzz tests/fuzz/admission_fuzz.cc agent/webhook/admission.cc agent/webhook/pod_mutation.cc
+build admission_fuzz tests/fuzz/admission_fuzz.cc agent/webhook/admission.cc agent/webhook/pod_mutation.cc agent/kube/server_container.cc
 RELAY="agent/fkserve/relay/relay_core.cc agent/fkserve/relay/relay_core_death.cc agent/fkserve/relay/relay_core_instances.cc agent/fkserve/relay/relay_core_replies.cc agent/fkserve/relay/node_table.cc agent/fkserve/relay/fuse_wire.cc agent/fkserve/relay/relay_state.cc agent/fkserve/relay/change_log.cc agent/fkserve/relay/durability.cc"
 build relay_fuzz tests/fuzz/relay_fuzz.cc $RELAY
 build relay_state_fuzz tests/fuzz/relay_state_fuzz.cc $RELAY
-build server_pods_fuzz tests/fuzz/server_pods_fuzz.cc agent/serverpod/api_objects.cc agent/serverpod/pod_manifest.cc \
+build server_pods_fuzz tests/fuzz/server_pods_fuzz.cc agent/serverpod/api_objects.cc agent/serverpod/pod_manifest.cc agent/kube/server_container.cc \
   agent/serverpod/server_spec.cc agent/base/sha256.cc agent/fuse/handoff_protocol.cc agent/base/json.cc agent/base/fd_passing.cc agent/base/status.cc \
   "$gen/proto/state.pb.cc" -lprotobuf -lsimdjson -lcrypto
 status=0

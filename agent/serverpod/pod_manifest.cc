@@ -5,22 +5,33 @@
 #include "agent/base/sha256.h"
 #include "agent/base/json.h"
 #include "agent/fuse/handoff_protocol.h"
+#include "agent/kube/server_container.h"
 
 namespace fusekeeper {
 namespace {
 
-std::string StringArray(const google::protobuf::RepeatedPtrField<std::string>& items, const std::string& socket) {
-  std::string out = "[";
-  for (int i = 0; i < items.size(); ++i) {
-    absl::StrAppend(&out, i ? "," : "", JsonQuote(absl::StrReplaceAll(items[i], {{"{socket}", socket}})));
-  }
-  return out + "]";
+std::vector<std::string> WithSocket(const google::protobuf::RepeatedPtrField<std::string>& items,
+                                    const std::string& socket) {
+  std::vector<std::string> out;
+  for (const auto& item : items) out.push_back(absl::StrReplaceAll(item, {{"{socket}", socket}}));
+  return out;
 }
 
-std::string QuantityMap(const std::map<std::string, std::string>& m) {
-  std::string out = "{";
-  for (const auto& [k, v] : m) absl::StrAppend(&out, out.size() > 1 ? "," : "", JsonQuote(k), ":", JsonQuote(v));
-  return out + "}";
+// What the pod runs: an unprivileged server container (the pod gives it its user).
+std::string Container(const ServerPodSettings& settings, const state::ServerPod& server, const std::string& socket) {
+  ServerContainerSpec c;
+  c.name = kServerContainer;
+  c.image = server.image();
+  c.image_pull_policy = "IfNotPresent";
+  c.command = WithSocket(server.command(), socket);
+  c.args = WithSocket(server.args(), socket);
+  c.socket_path = socket;
+  // Requests: the volume's, and the agent's defaults for what it leaves out (always explicit).
+  c.requests = settings.default_requests;
+  for (const auto& [k, v] : server.requests()) c.requests[k] = v;
+  c.limits.insert(server.limits().begin(), server.limits().end());
+  c.socket_dir = {kHandoffVolume, kHandoffDir};
+  return ServerContainerJson(c).dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace
@@ -52,24 +63,8 @@ std::string NodeSelector(const ServerPodSettings& settings) {
 ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::string& volume_id,
                                  const state::ServerPod& server, uint32_t uid, uint32_t gid, bool successor) {
   const std::string socket = absl::StrCat(kHandoffDir, "/", kHandoffSocketName);
-  // Requests: the volume's, and the agent's defaults for what it leaves out (always explicit).
-  std::map<std::string, std::string> requests = settings.default_requests;
-  for (const auto& [k, v] : server.requests()) requests[k] = v;
-  const std::map<std::string, std::string> limits(server.limits().begin(), server.limits().end());
   // What the pod runs, as JSON: hashed into its name, so that any change is a new pod.
-  std::string container = absl::StrCat(
-      R"({"name":)", JsonQuote(kServerContainer), R"(,"image":)", JsonQuote(server.image()),
-      R"(,"imagePullPolicy":"IfNotPresent")");
-  if (server.command_size() > 0) absl::StrAppend(&container, R"(,"command":)", StringArray(server.command(), socket));
-  if (server.args_size() > 0) absl::StrAppend(&container, R"(,"args":)", StringArray(server.args(), socket));
-  absl::StrAppend(&container, R"(,"env":[{"name":"FUSEKEEPER_SOCKET","value":)", JsonQuote(socket), "}]",
-                  R"(,"resources":{"requests":)", QuantityMap(requests));
-  if (!limits.empty()) absl::StrAppend(&container, R"(,"limits":)", QuantityMap(limits));
-  absl::StrAppend(&container, "}",
-                  R"(,"securityContext":{"allowPrivilegeEscalation":false,"privileged":false,)"
-                  R"("readOnlyRootFilesystem":true,"capabilities":{"drop":["ALL"]}})",
-                  R"(,"volumeMounts":[{"name":)", JsonQuote(kHandoffVolume), R"(,"mountPath":)",
-                  JsonQuote(kHandoffDir), "}]}");
+  const std::string container = Container(settings, server, socket);
   std::string pod_spec = absl::StrCat(
       R"({"nodeName":)", JsonQuote(settings.node), R"(,"restartPolicy":"Always")",
       R"(,"automountServiceAccountToken":false,"enableServiceLinks":false)",

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "agent/kube/server_container.h"
 
 namespace fusekeeper::webhook {
 namespace {
@@ -60,16 +61,6 @@ std::optional<uint32_t> ParseUid(const std::string& s) {
 json Add(const std::string& path, json value) { return json{{"op", "add"}, {"path", path}, {"value", std::move(value)}}; }
 
 // The server settings a pod's annotations ask for, validated.
-// What every container the webhook adds runs as: the given user, no privileges, a read-only root.
-json Unprivileged(uint32_t uid, uint32_t gid) {
-  return json{{"runAsUser", uid},
-              {"runAsGroup", gid},
-              {"runAsNonRoot", true},
-              {"readOnlyRootFilesystem", true},
-              {"allowPrivilegeEscalation", false},
-              {"capabilities", json{{"drop", json::array({"ALL"})}}}};
-}
-
 struct ServerSettings {
   std::string image;
   std::vector<std::string> args;
@@ -280,45 +271,36 @@ std::optional<std::string> SocketVolume(const std::string& volume, const json* a
 json ServerContainer(const std::string& volume, const ServerSettings& settings, const Policy& policy, uint32_t uid,
                      uint32_t gid, const std::string& socket_volume, const std::string& socket_name,
                      bool* tools_needed) {
-  json container = {
-      {"name", BoundedName(kServerPrefix, volume)},
-      {"image", settings.image},
-      {"restartPolicy", "Always"},
-      {"args", settings.args},
-      {"env", json::array({json{{"name", "FUSEKEEPER_SOCKET"}, {"value", absl::StrCat(kSocketDir, "/", socket_name)}},
-                           json{{"name", "FUSEKEEPER_READY_FILE"}, {"value", kReadyFile}},
-                           json{{"name", "FUSEKEEPER_VOLUME"}, {"value", volume}}})},
-      {"volumeMounts", json::array({json{{"name", socket_volume}, {"mountPath", kSocketDir}}})},
-      {"securityContext", Unprivileged(uid, gid)},
-      {"resources", json{{"requests", json{{"cpu", settings.cpu_request}, {"memory", settings.memory_request}}},
-                         {"limits", json{{"memory", settings.memory_limit}}}}},
-  };
+  ServerContainerSpec c;
+  c.name = BoundedName(kServerPrefix, volume);
+  c.image = settings.image;
+  c.native_sidecar = true;
+  c.args = settings.args;
+  c.socket_path = absl::StrCat(kSocketDir, "/", socket_name);
+  c.env = {{"FUSEKEEPER_READY_FILE", kReadyFile}, {"FUSEKEEPER_VOLUME", volume}};
+  c.requests = {{"cpu", settings.cpu_request}, {"memory", settings.memory_request}};
+  c.limits = {{"memory", settings.memory_limit}};
+  c.user = ContainerUser{uid, gid};
+  c.socket_dir = {socket_volume, kSocketDir};
   if (!settings.command.empty()) {
     // Run through the tools' own loader: nothing of the image's is needed.
     const std::string lib = absl::StrCat(kToolsDir, "/lib");
-    const json fkserve = json::array({absl::StrCat(lib, "/", kToolsLoader), "--library-path", lib,
-                                      absl::StrCat(kToolsDir, "/fkserve")});
-    container["command"] = fkserve;
-    json args = json::array({"--socket=$(FUSEKEEPER_SOCKET)", "--ready_file=$(FUSEKEEPER_READY_FILE)",
-                             absl::StrCat("--fusermount=", kToolsDir, "/fkserve-fusermount"),
-                             absl::StrCat("--preload=", kToolsDir, "/libfkserve_preload.so"), "launch", "--"});
-    for (const auto& a : settings.command) args.push_back(a);
-    container["args"] = std::move(args);
-    container["volumeMounts"].push_back(json{{"name", kToolsContainer}, {"mountPath", kToolsDir}, {"readOnly", true}});
-    json probe = fkserve;
-    probe.push_back(absl::StrCat("--ready_file=", kReadyFile));
-    probe.push_back("ready");
-    container["startupProbe"] = json{{"exec", json{{"command", probe}}}, {"periodSeconds", 1}, {"failureThreshold", 300}};
+    c.command = {absl::StrCat(lib, "/", kToolsLoader), "--library-path", lib, absl::StrCat(kToolsDir, "/fkserve")};
+    c.args = {"--socket=$(FUSEKEEPER_SOCKET)", "--ready_file=$(FUSEKEEPER_READY_FILE)",
+              absl::StrCat("--fusermount=", kToolsDir, "/fkserve-fusermount"),
+              absl::StrCat("--preload=", kToolsDir, "/libfkserve_preload.so"), "launch", "--"};
+    c.args.insert(c.args.end(), settings.command.begin(), settings.command.end());
+    c.mounts.push_back({kToolsContainer, kToolsDir, /*read_only=*/true});
+    c.startup_probe = c.command;
+    c.startup_probe.push_back(absl::StrCat("--ready_file=", kReadyFile));
+    c.startup_probe.push_back("ready");
     *tools_needed = true;
   } else if (settings.image == policy.server.image) {
     // The app starts once the volume is served: creating it stats the mount, which would
     // otherwise wait for the server.
-    container["startupProbe"] = json{
-        {"exec", json{{"command", json::array({policy.fkserve_path, absl::StrCat("--ready_file=", kReadyFile), "ready"})}}},
-        {"periodSeconds", 1},
-        {"failureThreshold", 300}};
+    c.startup_probe = {policy.fkserve_path, absl::StrCat("--ready_file=", kReadyFile), "ready"};
   }
-  return container;
+  return ServerContainerJson(c);
 }
 
 // Once per pod, before every server: copies the launcher out of the fkserve image.
@@ -327,7 +309,7 @@ json ToolsContainer(const Policy& policy, uint32_t uid, uint32_t gid) {
               {"image", policy.server.image},
               {"command", json::array({policy.fkserve_path, "install-tools", kToolsDir})},
               {"volumeMounts", json::array({json{{"name", kToolsContainer}, {"mountPath", kToolsDir}}})},
-              {"securityContext", Unprivileged(uid, gid)},
+              {"securityContext", UnprivilegedSecurityContext(ContainerUser{uid, gid})},
               {"resources", json{{"requests", json{{"cpu", "10m"}, {"memory", "16Mi"}}}, {"limits", json{{"memory", "64Mi"}}}}}};
 }
 

@@ -106,5 +106,35 @@ TEST(PodManifestTest, TheNodeSelectorNamesTheNodesLabel) {
             "app.kubernetes.io/managed-by=fusekeeper,fusekeeper.io/node=" + NodeLabelValue("node-a"));
 }
 
+// An agent upgrade must find the server pods the earlier agent made: the same spec gives the same
+// manifest, byte for byte (its hash names the pod), or every server pod would be rolled.
+TEST(PodManifestTest, TheManifestOfASpecDoesNotChangeAcrossAgentVersions) {
+  state::ServerPod spec = Spec();
+  spec.add_command("/bin/fs");
+  spec.add_command("--at={socket}");
+  ServerPodSettings settings = Settings();
+  settings.seccomp_profile = "Localhost/profiles/fk.json";
+  const ServerPodManifest m = BuildServerPod(settings, "pv-1", spec, 1000, 2000, /*successor=*/true);
+  EXPECT_EQ(m.name, "fk-57c401c9dec61f8d-66570ff0-e0e9b9730a-2");
+  EXPECT_EQ(m.json, R"({"apiVersion":"v1","kind":"Pod","metadata":{"name":"fk-57c401c9dec61f8d-66570ff0-e0e9b9730a-2",)"
+                    R"("namespace":"fk-system","labels":{"app.kubernetes.io/managed-by":"fusekeeper",)"
+                    R"("app.kubernetes.io/component":"fuse-server","fusekeeper.io/node":"66570ff05a207404",)"
+                    R"("fusekeeper.io/volume":"57c401c9dec61f8dc6e838ec38e4c348","fusekeeper.io/server-spec":"e0e9b9730a"},)"
+                    R"("annotations":{"fusekeeper.io/volume-id":"pv-1","fusekeeper.io/node-name":"node-a"}},)"
+                    R"("spec":{"nodeName":"node-a","restartPolicy":"Always","automountServiceAccountToken":false,)"
+                    R"("enableServiceLinks":false,"terminationGracePeriodSeconds":30,"tolerations":[{"operator":"Exists"}],)"
+                    R"("priorityClassName":"fusekeeper-server","securityContext":{"runAsNonRoot":true,"runAsUser":1000,)"
+                    R"("runAsGroup":2000,"seccompProfile":{"type":"Localhost","localhostProfile":"profiles/fk.json"}},)"
+                    R"("containers":[{"name":"server","image":"team/fs:1","imagePullPolicy":"IfNotPresent",)"
+                    R"("command":["/bin/fs","--at=/run/fusekeeper/handoff.sock"],)"
+                    R"("args":["--socket=/run/fusekeeper/handoff.sock","serve"],)"
+                    R"("env":[{"name":"FUSEKEEPER_SOCKET","value":"/run/fusekeeper/handoff.sock"}],)"
+                    R"("resources":{"requests":{"cpu":"50m","memory":"32Mi"},"limits":{"memory":"256Mi"}},)"
+                    R"("securityContext":{"allowPrivilegeEscalation":false,"privileged":false,)"
+                    R"("readOnlyRootFilesystem":true,"capabilities":{"drop":["ALL"]}},)"
+                    R"("volumeMounts":[{"name":"fusekeeper-handoff","mountPath":"/run/fusekeeper"}]}],)"
+                    R"("volumes":[{"name":"fusekeeper-handoff","emptyDir":{"sizeLimit":"1Mi"}}]}})");
+}
+
 }  // namespace
 }  // namespace fusekeeper
