@@ -5,6 +5,8 @@
 
 #include <utility>
 
+#include "agent/loop/lifetime.h"
+
 namespace fusekeeper {
 
 std::shared_ptr<AnswerProbe> AnswerProbe::Start(Loop& loop, std::string path, Done done) {
@@ -14,10 +16,8 @@ std::shared_ptr<AnswerProbe> AnswerProbe::Start(Loop& loop, std::string path, Do
   raw->completion_.callback = [raw](int32_t res, bool) {
     raw->pending_ = false;
     if (raw->done_) std::exchange(raw->done_, nullptr)(res);
-    // Freed after this callback has returned (the callback lives inside the probe). Should the
-    // loop be gone already, it is left as it is: the process is ending.
-    auto* keep = new std::shared_ptr<AnswerProbe>(std::move(raw->self_));
-    raw->loop_.Post([keep] { delete keep; });
+    // Freed after this callback has returned (the callback lives inside the probe).
+    DeleteLater(raw->loop_, std::move(raw->self_));
   };
   io_uring_sqe* sqe = loop.GetSqe();
   // FORCE_SYNC: answered by the server, never from the kernel's attribute cache. NOFOLLOW and

@@ -16,6 +16,7 @@
 #include "absl/strings/strip.h"
 #include "agent/base/crash_point.h"
 #include "agent/base/status.h"
+#include "agent/loop/lifetime.h"
 #include "agent/fuse/fuse_mount.h"
 #include "glog/logging.h"
 
@@ -42,6 +43,7 @@ HandoffEndpoint::HandoffEndpoint(Loop& loop, UniqueFd fuse_fd, MountConfig confi
       config_(std::move(config)),
       options_(options),
       events_(std::move(events)),
+      standby_fallback_(loop),
       policy_(fuse_fd_.valid()) {}
 
 HandoffEndpoint::~HandoffEndpoint() = default;
@@ -58,9 +60,7 @@ void HandoffEndpoint::ReleaseLater(std::unique_ptr<Connection> doomed) {
     std::unique_ptr<Connection> connection;
     std::shared_ptr<HandoffEndpoint> self;
   };
-  auto* grave = new Grave{std::move(doomed), in_flight_ == 0 ? std::move(keep_alive_) : nullptr};
-  // If the loop has already finished (process exit), the grave is left as it is.
-  loop_.Post([grave] { delete grave; });
+  DeleteLater(loop_, Grave{std::move(doomed), in_flight_ == 0 ? std::move(keep_alive_) : nullptr});
 }
 
 void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
@@ -201,8 +201,7 @@ void HandoffEndpoint::PromoteStandby() {
 void HandoffEndpoint::Stop() {
   if (policy_.stopped()) return;
   policy_.Stop();
-  if (standby_fallback_ != 0) loop_.CancelTimer(standby_fallback_);
-  standby_fallback_ = 0;
+  standby_fallback_.Cancel();
   for (auto& l : listeners_) {
     if (!l->closed) CloseListener(l.get());
   }
@@ -219,7 +218,7 @@ void HandoffEndpoint::Stop() {
 }
 
 void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
-  connections_in_flight_.push_back(std::make_unique<Connection>());
+  connections_in_flight_.push_back(std::make_unique<Connection>(loop_));
   Connection* c = connections_in_flight_.back().get();
   c->fd.Reset(fd);
   c->tag = tag;
@@ -375,7 +374,7 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
 
 std::vector<UniqueFd> HandoffEndpoint::Received(Connection* c, int32_t res, bool* other_control) {
   Completed();
-  loop_.CancelTimer(c->timer);
+  c->reply_deadline.Cancel();
   if (res <= 0) return {};
   return TakeReceivedFds(c->in_msg, other_control);
 }
@@ -425,8 +424,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
   io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
   Arm(sqe, &c->recv);
   // Only fires while the receive is in flight, so the endpoint is alive (kept by keep_alive_).
-  c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.reply_timeout),
-                            [this, c] { loop_.Cancel(&c->recv); });
+  c->reply_deadline.Arm(absl::ToChronoNanoseconds(options_.reply_timeout), [this, c] { loop_.Cancel(&c->recv); });
 }
 
 void HandoffEndpoint::PrepareReceive(Connection* c) {

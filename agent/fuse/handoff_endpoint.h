@@ -35,6 +35,7 @@
 #include "agent/fuse/handoff_policy.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -219,7 +220,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // The main listening socket (tag "") and AddListener's; closed ones until their accept ends.
   std::vector<std::unique_ptr<Listener>> listeners_;
   std::deque<std::unique_ptr<Connection>> standby_;  // servers waiting for the serving one to stop
-  TimerId standby_fallback_ = 0;
+  Timer standby_fallback_;  // a server on standby gets a fresh connection if nobody re-deposits
   UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
   std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;

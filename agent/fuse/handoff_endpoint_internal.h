@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "agent/loop/timer.h"
 #include "agent/base/fd_passing.h"
 #include "agent/base/unique_fd.h"
 #include "agent/fuse/handoff_endpoint.h"
@@ -17,6 +18,7 @@ namespace fusekeeper {
 
 // Everything one connection's ring operations point at, kept alive until they all complete.
 struct HandoffEndpoint::Connection {
+  explicit Connection(Loop& loop) : reply_deadline(loop) {}
   UniqueFd fd;
   pid_t peer_pid = 0;  // 0: the peer is in another pid namespace (a pod without hostPID)
   uid_t peer_uid = 0;
@@ -35,7 +37,7 @@ struct HandoffEndpoint::Connection {
   FdControl in_control;
   Completion send;
   Completion recv;
-  TimerId timer = 0;
+  Timer reply_deadline;  // for the answer the receive waits for
   bool live = false;  // the offer was of a connection an earlier server initialised
   bool refused = false;
   bool finished = false;

@@ -39,9 +39,8 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
         LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << c->tag
                   << " has nothing to re-deposit: it waits on standby for the serving server to re-deposit or stop";
         ToStandby(c);
-        if (standby_fallback_ == 0) {
-          standby_fallback_ = loop_.AddTimer(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
-            standby_fallback_ = 0;
+        if (!standby_fallback_.armed()) {
+          standby_fallback_.Arm(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
             if (policy_.stopped() || !policy_.awaiting_redeposit() || policy_.serving() || standby_.empty()) return;
             LOG(INFO) << "volume " << config_.volume_id << ": no server re-deposited its connection within "
                       << absl::FormatDuration(options_.standby_redeposit_wait) << "; a server on standby gets a fresh one";
@@ -94,8 +93,7 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
   io_uring_sqe* sqe = loop_.GetSqe();
   io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
   Arm(sqe, &c->recv);
-  c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(options_.redeposit_wait),
-                            [this, c] { loop_.Cancel(&c->recv); });
+  c->reply_deadline.Arm(absl::ToChronoNanoseconds(options_.redeposit_wait), [this, c] { loop_.Cancel(&c->recv); });
 }
 
 void HandoffEndpoint::KeepRelayState(Connection* c, UniqueFd fd) {

@@ -13,12 +13,13 @@ KubeletPoller::KubeletPoller(Loop& loop, HttpClient& http, BlockingPool& pool, K
       options_(std::move(options)),
       token_(pool, options_.token_file, absl::Minutes(1)),
       on_restart_(std::move(on_restart)),
-      on_error_(std::move(on_error)) {}
+      on_error_(std::move(on_error)),
+      next_poll_(loop) {}
 
 void KubeletPoller::Start() { Poll(); }
 
 void KubeletPoller::Schedule(absl::Duration after) {
-  loop_.AddTimer(absl::ToChronoNanoseconds(after), [this] { Poll(); });
+  next_poll_.Arm(absl::ToChronoNanoseconds(after), [this] { Poll(); });
 }
 
 void KubeletPoller::Poll() {

@@ -17,6 +17,7 @@
 #include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -63,6 +64,7 @@ class KubeletPoller {
   int64_t polls_ = 0, errors_ = 0;
   int64_t failing_polls_ = 0;  // in a row, since the last good answer
   absl::Time failing_since_;
+  Timer next_poll_;
 };
 
 }  // namespace fusekeeper

@@ -110,9 +110,11 @@ bool Loop::IsLoopThread() const {
 }
 
 void Loop::AssertLoopThread() const {
-  // Before Run() the creating thread sets things up; afterwards only the loop thread may.
+  // Before Run() the creating thread sets things up; afterwards only the loop thread may, until
+  // Run has finished: then whoever owns the loop (its owners' destructors cancel their timers).
   const std::thread::id owner = loop_thread_.load(std::memory_order_acquire);
-  CHECK(owner == std::thread::id() || owner == std::this_thread::get_id())
+  CHECK(owner == std::thread::id() || owner == std::this_thread::get_id() ||
+        finished_.load(std::memory_order_acquire))
       << "Loop method called off the loop thread";
 }
 
@@ -497,6 +499,7 @@ void Loop::FinishStopping() {
   for (auto& fn : batch) fn();
   timer_queue_.clear();
   timers_.clear();
+  finished_.store(true, std::memory_order_release);
 }
 
 }  // namespace fusekeeper

@@ -161,6 +161,7 @@ class Loop {
   std::atomic<int64_t> busy_since_ns_{0};
   std::atomic<bool> stop_requested_{false};
   std::atomic<std::thread::id> loop_thread_{};
+  std::atomic<bool> finished_{false};  // Run has returned (set last, as it ends)
   bool stopping_ = false;
   size_t in_flight_ = 0;
   uint64_t iterations_ = 0;

@@ -12,18 +12,21 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "agent/base/status.h"
+#include "agent/loop/lifetime.h"
+#include "agent/loop/timer.h"
 #include "glog/logging.h"
 
 namespace fusekeeper {
 
 struct HttpServer::Connection {
+  explicit Connection(Loop& loop) : deadline(loop) {}
   UniqueFd fd;
   std::string in = std::string(4096, '\0');
   size_t used = 0;
   std::string out;
   size_t sent = 0;
   Completion recv, send;
-  TimerId timer = 0;
+  Timer deadline;  // for the request
   bool closing = false;
   int in_flight = 0;
 };
@@ -82,7 +85,7 @@ void HttpServer::ArmAccept() {
 }
 
 void HttpServer::OnAccepted(int fd) {
-  auto owned = std::make_unique<Connection>();
+  auto owned = std::make_unique<Connection>(loop_);
   Connection* c = owned.get();
   c->fd.Reset(fd);
   connections_[c] = std::move(owned);
@@ -98,7 +101,7 @@ void HttpServer::OnAccepted(int fd) {
       ++c->in_flight;
       return loop_.Arm(sqe, &c->recv);
     }
-    loop_.CancelTimer(c->timer);
+    c->deadline.Cancel();
     if (!absl::StartsWith(got, "GET ")) return Respond(c, {405, "text/plain", "only GET is served\n"});
     const size_t end = got.find(' ', 4);
     std::string path(got.substr(4, end == absl::string_view::npos ? absl::string_view::npos : end - 4));
@@ -111,7 +114,7 @@ void HttpServer::OnAccepted(int fd) {
   io_uring_prep_recv(sqe, fd, c->in.data(), c->in.size(), 0);
   ++c->in_flight;
   loop_.Arm(sqe, &c->recv);
-  c->timer = loop_.AddTimer(absl::ToChronoNanoseconds(timeout_), [this, c] {
+  c->deadline.Arm(absl::ToChronoNanoseconds(timeout_), [this, c] {
     c->closing = true;
     loop_.Cancel(&c->recv);
   });
@@ -138,14 +141,13 @@ void HttpServer::Respond(Connection* c, const HttpResponse& r) {
 }
 
 void HttpServer::Close(Connection* c) {
-  loop_.CancelTimer(c->timer);
+  c->deadline.Cancel();
   if (c->in_flight > 0) return;  // the last completion closes it
   // Not destroyed inside its own callback: after the current one returns.
   auto it = connections_.find(c);
   if (it == connections_.end()) return;
-  std::shared_ptr<Connection> doomed(std::move(it->second));
+  DeleteLater(loop_, std::move(it->second));
   connections_.erase(it);
-  loop_.Post([doomed] {});
 }
 
 }  // namespace fusekeeper

@@ -23,8 +23,8 @@ absl::StatusOr<std::unique_ptr<MountTableWatcher>> MountTableWatcher::Start(Loop
 MountTableWatcher::MountTableWatcher(Loop& loop, UniqueFd fd, OnChange on_change)
     : loop_(loop), fd_(std::move(fd)), on_change_(std::move(on_change)) {
   // Set once: Arm() runs from inside this callback, which must not be replaced while it runs.
-  poll_.callback = [this, alive = alive_](int32_t res, bool more) {
-    if (!*alive) return;
+  poll_.callback = [this, alive = alive_.token()](int32_t res, bool more) {
+    if (!alive.alive()) return;
     if (!more) armed_ = false;
     if (res == -ECANCELED) return;
     if (res < 0) {
@@ -39,7 +39,7 @@ MountTableWatcher::MountTableWatcher(Loop& loop, UniqueFd fd, OnChange on_change
 }
 
 MountTableWatcher::~MountTableWatcher() {
-  *alive_ = false;
+  alive_.End();
   if (armed_ && loop_.running()) loop_.Cancel(&poll_);
 }
 
@@ -57,8 +57,8 @@ void MountTableWatcher::Fire() {
   }
   handling_ = true;
   dirty_ = false;
-  on_change_([this, alive = alive_] {
-    if (!*alive) return;
+  on_change_([this, alive = alive_.token()] {
+    if (!alive.alive()) return;
     handling_ = false;
     if (dirty_) Fire();
   });

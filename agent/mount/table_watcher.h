@@ -12,6 +12,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "agent/base/unique_fd.h"
+#include "agent/loop/lifetime.h"
 #include "agent/loop/loop.h"
 
 namespace fusekeeper {
@@ -44,7 +45,7 @@ class MountTableWatcher {
   bool dirty_ = false;
   uint64_t changes_seen_ = 0;
   // Outlives the watcher for callbacks that complete after it is gone.
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  Aliveness alive_;
 };
 
 }  // namespace fusekeeper

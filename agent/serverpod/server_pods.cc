@@ -32,18 +32,18 @@ ServerPods::ServerPods(Loop& loop, HttpClient& http, BlockingPool& pool, KubeApi
       api_(std::move(api)),
       options_(std::move(options)),
       events_(std::move(events)),
-      token_(pool, api_.token_file, absl::Seconds(10)) {}
+      token_(pool, api_.token_file, absl::Seconds(10)),
+      resync_timer_(loop) {}
 
 ServerPods::~ServerPods() {
-  *alive_ = false;
-  if (timer_ != 0) loop_.CancelTimer(timer_);
+  alive_.End();
 }
 
 void ServerPods::Send(std::string method, std::string path, std::string body,
                       absl::AnyInvocable<void(absl::StatusOr<HttpResult>)> done) {
-  token_.Refresh([this, alive = alive_, method = std::move(method), path = std::move(path), body = std::move(body),
+  token_.Refresh([this, alive = alive_.token(), method = std::move(method), path = std::move(path), body = std::move(body),
                   done = std::move(done)]() mutable {
-    if (!*alive) return;
+    if (!alive.alive()) return;
     HttpRequest r;
     r.method = std::move(method);
     r.url = absl::StrCat(api_.base_url, path);
@@ -55,7 +55,7 @@ void ServerPods::Send(std::string method, std::string path, std::string body,
     r.insecure = api_.insecure;
     r.timeout = options_.request_timeout;
     http_.Send(std::move(r), [alive, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
-      if (*alive) done(std::move(res));
+      if (alive.alive()) done(std::move(res));
     });
   });
 }
@@ -272,11 +272,7 @@ void ServerPods::ResyncSoon() {
 }
 
 void ServerPods::ScheduleResync(absl::Duration after) {
-  if (timer_ != 0) loop_.CancelTimer(timer_);
-  timer_ = loop_.AddTimer(absl::ToChronoNanoseconds(after), [this] {
-    timer_ = 0;
-    Resync();
-  });
+  resync_timer_.Arm(absl::ToChronoNanoseconds(after), [this] { Resync(); });
 }
 
 void ServerPods::Resync() {

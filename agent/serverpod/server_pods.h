@@ -31,7 +31,9 @@
 #include "agent/kube/http_client.h"
 #include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
+#include "agent/loop/lifetime.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 #include "agent/serverpod/api_objects.h"
 #include "agent/serverpod/pod_manifest.h"
 
@@ -153,9 +155,9 @@ class ServerPods {
   uint64_t lists_ = 0;  // pod lists asked for
   // By pod name: lists_ when the pod became known (a list asked for before cannot show it).
   std::map<std::string, uint64_t> known_at_;
-  TimerId timer_ = 0;
+  Timer resync_timer_;
   Stats stats_;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  Aliveness alive_;
 };
 
 }  // namespace fusekeeper

@@ -124,13 +124,14 @@ void Telemetry::KubeletPollError() { metrics_.Add("fusekeeper_kubelet_poll_error
 void Telemetry::MountTableChanged() { metrics_.Add("fusekeeper_mount_table_changes_total", ""); }
 
 void Telemetry::StartLoopLagProbe(Loop& loop) {
-  loop.Post([this, &loop] { ProbeLag(loop, absl::Now()); });
+  lag_timer_ = std::make_unique<Timer>(loop);
+  loop.Post([this] { ProbeLag(absl::Now()); });
 }
 
-void Telemetry::ProbeLag(Loop& loop, absl::Time due) {
+void Telemetry::ProbeLag(absl::Time due) {
   metrics_.Observe("fusekeeper_loop_lag_seconds", "", std::max(0.0, absl::ToDoubleSeconds(absl::Now() - due)));
   const absl::Time next = absl::Now() + absl::Milliseconds(500);
-  loop.AddTimer(std::chrono::milliseconds(500), [this, &loop, next] { ProbeLag(loop, next); });
+  lag_timer_->Arm(std::chrono::milliseconds(500), [this, next] { ProbeLag(next); });
 }
 
 }  // namespace fusekeeper

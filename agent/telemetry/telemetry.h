@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "agent/csi/rpc.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 #include "agent/metrics/metrics.h"
 
 namespace fusekeeper {
@@ -45,8 +46,9 @@ class Telemetry {
   void StartLoopLagProbe(Loop& loop);
 
  private:
-  void ProbeLag(Loop& loop, absl::Time due);
+  void ProbeLag(absl::Time due);
   Metrics metrics_;
+  std::unique_ptr<Timer> lag_timer_;
 };
 
 }  // namespace fusekeeper

@@ -36,6 +36,7 @@ VolumeManager::VolumeManager(Loop& loop, BlockingPool& pool, const KubeletDir& k
       ctx_{&kubelet, &store, options.ephemeral_host_path_prefixes, options.host_root},
       claims_(loop, ClaimQueue::Options{.max_queued_per_volume = options.max_queued_per_volume,
                                         .max_wait = options.max_queue_wait}),
+      audit_retry_(loop),
       own_probe_pool_(probe_pool != nullptr
                           ? nullptr
                           : std::make_unique<BlockingPool>(

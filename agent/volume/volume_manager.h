@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 #include "agent/mount/table_reader.h"
 #include "agent/paths/kubelet_dir.h"
 #include "agent/volume/claim_queue.h"
@@ -192,7 +193,7 @@ class VolumeManager final : public VolumeHost {
   uint64_t next_job_ = 0;
   ClaimQueue claims_;
   std::set<std::string> terminating_pods_;
-  bool audit_retry_pending_ = false;  // an audit that skipped busy volumes looks again soon
+  Timer audit_retry_;  // an audit that skipped busy volumes looks again soon
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;
   // One statfs of a mount and everyone waiting for its answer.

@@ -61,14 +61,10 @@ void VolumeManager::Audit(const std::string& why, absl::AnyInvocable<void()> don
       const state::Volume* v = Find(id);
       if (v != nullptr && !KindOf(*v).Audit(**table, *v, why)) skipped_busy = true;
     }
-    if (skipped_busy && !audit_retry_pending_) {
+    if (skipped_busy && !audit_retry_.armed()) {
       // A volume with an RPC (or its start-up socket) in flight is looked at again shortly, not
       // only at the next periodic audit.
-      audit_retry_pending_ = true;
-      loop_.AddTimer(absl::ToChronoNanoseconds(options_.audit_retry), [this, why] {
-        audit_retry_pending_ = false;
-        Audit(why);
-      });
+      audit_retry_.Arm(absl::ToChronoNanoseconds(options_.audit_retry), [this, why] { Audit(why); });
     }
     if (done) done();
   });

@@ -45,5 +45,19 @@ TEST(TimerTest, FiresOnceIsArmedAgainByItsOwnCallbackAndNeverFiresOnceCancelledO
   lt.StopAndJoin();
 }
 
+// An owner destroyed after its loop's thread has finished (the usual order at exit: stop the loop,
+// join it, then destroy what used it) may still hold an armed timer: its destructor is allowed
+// off the loop thread then, and the timer never fires.
+TEST(TimerTest, AnArmedTimerMayBeDestroyedOnAnotherThreadOnceTheLoopHasFinished) {
+  LoopThread lt;
+  bool fired = false;
+  auto t = std::make_unique<Timer>(lt.loop());
+  lt.RunOnLoop([&] { t->Arm(std::chrono::hours(1), [&] { fired = true; }); });
+  lt.StopAndJoin();
+  EXPECT_TRUE(t->armed());
+  t.reset();  // on the test's thread, not the loop's
+  EXPECT_FALSE(fired);
+}
+
 }  // namespace
 }  // namespace fusekeeper
