@@ -120,7 +120,7 @@ absl::StatusOr<std::optional<uint32_t>> FuseConnectionOfFd(int fd) {
 
 std::string FuseConnectionDir(uint32_t dev_minor) { return absl::StrCat(kFuseCtl, "/", dev_minor); }
 
-absl::Status AbortFuseConnectionBlocking(uint32_t dev_minor) {
+absl::StatusOr<std::string> OpenFuseConnectionDirBlocking(uint32_t dev_minor) {
   struct stat st;
   const std::string dir = FuseConnectionDir(dev_minor);
   if (stat(dir.c_str(), &st) != 0) {
@@ -133,7 +133,13 @@ absl::Status AbortFuseConnectionBlocking(uint32_t dev_minor) {
       return absl::NotFoundError(absl::StrCat("FUSE connection ", dev_minor, " does not exist"));
     }
   }
-  const std::string abort_file = dir + "/abort";
+  return dir;
+}
+
+absl::Status AbortFuseConnectionBlocking(uint32_t dev_minor) {
+  auto dir = OpenFuseConnectionDirBlocking(dev_minor);
+  if (!dir.ok()) return dir.status();
+  const std::string abort_file = *dir + "/abort";
   UniqueFd fd(open(abort_file.c_str(), O_WRONLY | O_CLOEXEC));
   if (!fd) return ErrnoStatus(errno, "open", abort_file);
   if (write(fd.get(), "1", 1) != 1) return ErrnoStatus(errno, "write", abort_file);

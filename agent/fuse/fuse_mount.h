@@ -46,6 +46,10 @@ absl::StatusOr<std::optional<uint32_t>> FuseConnectionOfFd(int fd);
 // The fusectl directory of connection `dev_minor` (a FUSE mount's st_dev minor; major is 0).
 std::string FuseConnectionDir(uint32_t dev_minor);
 
+// The fusectl directory of the connection, mounting fusectl at /sys/fs/fuse/connections first if
+// it is not there. NOT_FOUND if no such connection exists (already gone).
+absl::StatusOr<std::string> OpenFuseConnectionDirBlocking(uint32_t dev_minor);
+
 // Aborts a FUSE connection through fusectl (mounting fusectl at /sys/fs/fuse/connections first if
 // it is not there): every waiting and future request fails with ENOTCONN instead of hanging.
 // NOT_FOUND if no such connection exists (already gone).

@@ -23,6 +23,8 @@ Telemetry::Telemetry() {
   m.Define("fusekeeper_handoffs_waiting", T::kGauge, "FUSE volumes whose server has not connected yet");
   m.Define("fusekeeper_fuse_servers_not_answering_total", T::kCounter,
            "FUSE connections aborted because the server that took them did not answer within --init_timeout_ms");
+  m.Define("fusekeeper_fuse_tuning_total", T::kCounter,
+           "per-volume FUSE tuning (readAheadKb, maxBackground, congestionThreshold) written to a connection, by outcome");
   m.Define("fusekeeper_pods_unreachable_by_recovery", T::kGauge,
            "pods mounting one of our volumes in a container without mountPropagation HostToContainer");
   m.Define("fusekeeper_repairs_in_progress", T::kGauge, "volumes being repaired right now");
@@ -68,6 +70,10 @@ void Telemetry::Watch(const VolumeManager* volumes) {
     m.Set("fusekeeper_repairs_in_progress", "", counts.repairs_in_progress);
     m.Set("fusekeeper_volumes_relayed", "", counts.relayed);
     m.Set("fusekeeper_fuse_servers_not_answering_total", "", static_cast<double>(counts.servers_not_answering));
+    m.Set("fusekeeper_fuse_tuning_total", Metrics::Label("outcome", "applied"),
+          static_cast<double>(counts.fuse_tunings_applied));
+    m.Set("fusekeeper_fuse_tuning_total", Metrics::Label("outcome", "failed"),
+          static_cast<double>(counts.fuse_tunings_failed));
   });
 }
 

@@ -22,7 +22,7 @@
 namespace fusekeeper {
 
 struct FuseEndpoint {
-  explicit FuseEndpoint(Loop& loop) : handoff_deadline(loop), init_deadline(loop) {}
+  explicit FuseEndpoint(Loop& loop) : handoff_deadline(loop), init_deadline(loop), tune_retry(loop) {}
 
   // Forgets the server-answer probe and its deadline (the probe itself lives until the kernel
   // completes it, harmlessly).
@@ -44,6 +44,7 @@ struct FuseEndpoint {
   std::shared_ptr<AnswerProbe> answer_probe;
   Timer init_deadline;
   std::string answer_server;
+  Timer tune_retry;  // the tuning waits for an RPC on the volume
 };
 
 class FuseEndpoints {

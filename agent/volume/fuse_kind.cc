@@ -1,6 +1,7 @@
 #include "agent/volume/fuse_kind.h"
 
 #include "absl/strings/str_cat.h"
+#include "agent/fuse/fuse_tuning.h"
 #include "agent/serverpod/server_spec.h"
 #include "agent/volume/mount_stack.h"
 #include "agent/volume/state_store.h"
@@ -17,7 +18,7 @@ constexpr char kDefaultSocketName[] = "fusekeeper.sock";
 // volume_context keys this kind reads itself; every other key is handed to the FUSE server.
 bool IsAgentKey(const std::string& k) {
   return k == "kind" || k == "serverUid" || k == "serverGid" || k == "subtype" || k == "socketVolume" ||
-         k == "socketName" || k == "passSecrets" || IsServerPodKey(k);
+         k == "socketName" || k == "passSecrets" || IsServerPodKey(k) || IsFuseTuningKey(k);
 }
 
 // Mount flags for a FUSE volume: a few kernel options are honoured (ro, noexec, noatime,
@@ -177,6 +178,7 @@ absl::Status ParseFuseSpec(const google::protobuf::Map<std::string, std::string>
   }
   fuse.set_pass_secrets(ContextValue(ctx, "passSecrets") == "true");
   if (auto s = ParseFuseMountFlags(cap, &fuse, nullptr); !s.ok()) return s;
+  if (auto s = ParseFuseTuning(ctx, &fuse); !s.ok()) return s;
   const std::string socket_name = ContextValue(ctx, "socketName");
   if (!socket_name.empty()) {
     if (auto s = CheckName(socket_name, "volume_context.socketName"); !s.ok()) return s;

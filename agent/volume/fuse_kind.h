@@ -115,6 +115,9 @@ class FuseKind final : public VolumeKind {
   // abort the connection if it has not within options_.init_timeout (OnInitTimeout).
   void StartAnswerProbe(FuseEndpoint& e, const std::string& volume_id, const std::string& path, std::string server);
   void OnInitTimeout(const std::string& volume_id, const std::string& path);
+  // The volume's FUSE tuning (fuse_tuning.h), written to the connection of its endpoint `serial`
+  // once its server has answered; a failure is a Warning FuseTuningFailed.
+  void Tune(const std::string& volume_id, const std::string& path, uint64_t serial);
   // Loop thread. Either timeout's end: the mount stays, its connection is aborted (so everything
   // waiting on it fails fast with ENOTCONN), a Warning `reason` says `message`, and the next
   // server that connects gets a fresh connection.
@@ -146,6 +149,7 @@ class FuseKind final : public VolumeKind {
   RepairScheduler repairs_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer
+  int64_t tunings_applied_ = 0, tunings_failed_ = 0;
 };
 
 }  // namespace fusekeeper

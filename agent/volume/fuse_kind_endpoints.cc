@@ -3,6 +3,7 @@
 #include "agent/volume/fuse_kind.h"
 
 #include "absl/strings/str_cat.h"
+#include "agent/fuse/fuse_tuning.h"
 #include "agent/serverpod/server_spec.h"
 #include "agent/volume/mount_stack.h"
 #include "agent/volume/state_store.h"
@@ -276,7 +277,10 @@ void FuseKind::GiveUpOnConnection(FuseEndpoint& e, const state::Volume& v, const
 void FuseKind::StartAnswerProbe(FuseEndpoint& e, const std::string& volume_id, const std::string& path,
                                 std::string server) {
   e.StopAnswerProbe();
-  if (options_.init_timeout <= absl::ZeroDuration()) return;
+  const state::Volume* v = host_.Find(volume_id);
+  const bool tune = v != nullptr && HasFuseTuning(v->fuse());
+  // Asked when there is a deadline for the answer, or tuning that must wait for it.
+  if (options_.init_timeout <= absl::ZeroDuration() && !tune) return;
   e.answer_server = std::move(server);
   const uint64_t serial = e.serial;
   const absl::Time asked = absl::Now();
@@ -295,10 +299,47 @@ void FuseKind::StartAnswerProbe(FuseEndpoint& e, const std::string& volume_id, c
       LOG(INFO) << "volume " << volume_id << ": its FUSE server (" << ep->answer_server
                 << ") answered the kernel's first requests" << (res < 0 ? absl::StrCat(" (", strerror(-res), ")") : "")
                 << " " << after << " after the handoff";
+      // The server's INIT reply has set the connection's limits: now ours hold.
+      if (res != -ECANCELED) Tune(volume_id, path, serial);
     }
   });
-  e.init_deadline.Arm(absl::ToChronoNanoseconds(options_.init_timeout),
-                      [this, volume_id, path] { OnInitTimeout(volume_id, path); });
+  if (options_.init_timeout > absl::ZeroDuration()) {
+    e.init_deadline.Arm(absl::ToChronoNanoseconds(options_.init_timeout),
+                        [this, volume_id, path] { OnInitTimeout(volume_id, path); });
+  }
+}
+
+void FuseKind::Tune(const std::string& volume_id, const std::string& path, uint64_t serial) {
+  const state::Volume* v = host_.Find(volume_id);
+  FuseEndpoint* e = endpoints_.Find(volume_id, path, serial);
+  if (v == nullptr || e == nullptr || !HasFuseTuning(v->fuse())) return;
+  ClaimQueue::Claim claim = host_.TryClaim(volume_id);
+  if (!claim) {
+    // An RPC on the volume is in flight (it may be tearing the connection down): after it.
+    e->tune_retry.Arm(std::chrono::milliseconds(200), [this, volume_id, path, serial] { Tune(volume_id, path, serial); });
+    return;
+  }
+  const uint32_t minor = MountsAt(*v, path).top.dev_minor();
+  const std::string tuning = DescribeFuseTuning(v->fuse());
+  host_.RunClaimed(std::move(claim),
+                   KindJob{"tune the FUSE connection",
+                           [fuse = v->fuse(), minor]() -> absl::StatusOr<AdoptFn> {
+                             if (auto s = ApplyFuseTuningBlocking(minor, fuse); !s.ok()) return s;
+                             return AdoptFn([] { return VolumeChange::Keep(); });
+                           }},
+                   [this, volume_id, path, tuning](absl::Status s) {
+                     if (s.ok()) {
+                       ++tunings_applied_;
+                       LOG(INFO) << "volume " << volume_id << ": FUSE connection at " << path << " tuned: " << tuning;
+                       return;
+                     }
+                     ++tunings_failed_;
+                     if (const state::Volume* v = host_.Find(volume_id); v != nullptr) {
+                       host_.Event(*v, "Warning", "FuseTuningFailed",
+                                   absl::StrCat("volume ", volume_id, ": ", tuning, " could not be applied to its FUSE "
+                                                "connection: ", s.message(), "; it is served with the kernel's values"));
+                     }
+                   });
 }
 
 void FuseKind::OnInitTimeout(const std::string& volume_id, const std::string& path) {

@@ -402,6 +402,10 @@ void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
   ++c->volumes_by_kind_state[absl::StrCat(kFuseKind, "/", state)];
 }
 
-void FuseKind::CountKind(VolumeCounts* c) const { c->servers_not_answering += servers_not_answering_; }
+void FuseKind::CountKind(VolumeCounts* c) const {
+  c->servers_not_answering += servers_not_answering_;
+  c->fuse_tunings_applied += tunings_applied_;
+  c->fuse_tunings_failed += tunings_failed_;
+}
 
 }  // namespace fusekeeper

@@ -119,6 +119,9 @@ struct VolumeCounts {
   // Since start: connections aborted because their FUSE server took them and never answered
   // (FuseKindOptions::init_timeout).
   int64_t servers_not_answering = 0;
+  // Since start: per-volume FUSE tuning written to a connection, or refused by the kernel.
+  int64_t fuse_tunings_applied = 0;
+  int64_t fuse_tunings_failed = 0;
 };
 
 class VolumeKind {

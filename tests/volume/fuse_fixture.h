@@ -154,7 +154,9 @@ class FuseE2ETest : public ::testing::Test {
     return c;
   }
   std::map<std::string, std::string> FuseContext() {
-    return {{"kind", "fuse"}, {"serverUid", std::to_string(kServerUid)}, {"bucket", "demo"}};
+    std::map<std::string, std::string> c = {{"kind", "fuse"}, {"serverUid", std::to_string(kServerUid)}, {"bucket", "demo"}};
+    c.insert(extra_context_.begin(), extra_context_.end());
+    return c;
   }
   // A pod with an emptyDir "fk" for the handoff socket; returns its target path for volume `vol`.
   std::string Pod(const std::string& uid, const std::string& vol) {
@@ -279,6 +281,7 @@ class FuseE2ETest : public ::testing::Test {
   std::unique_ptr<FakeKube> kube_;
   std::unique_ptr<Subprocess> agent_;
   std::vector<std::string> agent_env_;  // extra environment for the agent
+  std::map<std::string, std::string> extra_context_;  // more volume_context for every volume
   std::vector<std::string> agent_prefix_;  // a command the agent is run under (e.g. unshare)
   std::vector<std::unique_ptr<Subprocess>> servers_;
   // Servers run under a seccomp filter that refuses io_uring, as under containerd 2.0's, Docker

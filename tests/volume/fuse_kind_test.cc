@@ -20,6 +20,7 @@ TEST(FuseSpecTest, ServerIdentityGroupKernelOptionsAndServerContext) {
                                      {"socketVolume", "fk"},
                                      {"socketName", "s.sock"},
                                      {"bucket", "models"},
+                                     {"maxBackground", "64"},
                                      {"csi.storage.k8s.io/pod.uid", "u-1"}}),
                             Cap({"ro", "noatime", "max_read=131072", "cache=strict"}, "2000"), &spec)
                   .ok());
@@ -33,12 +34,15 @@ TEST(FuseSpecTest, ServerIdentityGroupKernelOptionsAndServerContext) {
   EXPECT_TRUE(f.read_only());
   EXPECT_TRUE(f.noatime());
   EXPECT_EQ(f.max_read(), 131072u);
+  EXPECT_EQ(f.max_background(), 64u) << "tuning is the agent's to apply";
+  EXPECT_FALSE(f.has_read_ahead_kb());
   EXPECT_TRUE(f.socket_path().empty()) << "the socket is placed by stage/publish, not by the spec";
   // Everything the agent does not read itself goes to the server; its own keys do not.
   EXPECT_EQ(spec.volume_context().size(), 2u);
   EXPECT_EQ(spec.volume_context().at("bucket"), "models");
   EXPECT_EQ(spec.volume_context().count("socketVolume"), 0u);
   EXPECT_EQ(spec.volume_context().count("serverUid"), 0u);
+  EXPECT_EQ(spec.volume_context().count("maxBackground"), 0u);
 }
 
 TEST(FuseSpecTest, DefaultsWithNothingButTheKind) {
@@ -70,6 +74,8 @@ TEST(FuseSpecTest, BadInputIsRefusedNamingWhatIsWrong) {
       {Context({}), Cap({"cache=strict,user_id=0"}), "contains ','"},
       {Context({}), Cap({"max_read=0"}), "max_read"},
       {Context({}), Cap({"max_read=lots"}), "max_read"},
+      {Context({{"readAheadKb", "huge"}}), Cap(), "volume_context.readAheadKb"},
+      {Context({{"congestionThreshold", "0"}}), Cap(), "volume_context.congestionThreshold"},
   };
   for (const auto& c : cases) {
     state::Spec spec;

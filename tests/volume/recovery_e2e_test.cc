@@ -14,6 +14,7 @@
 #include "glog/logging.h"
 
 #include "agent/fuse/fuse_mount.h"
+#include "agent/fuse/fuse_tuning.h"
 #include "tests/testing/hello_fuse_server.h"
 #include "tests/testing/fake_kube.h"
 #include "tests/volume/fuse_fixture.h"
@@ -262,6 +263,48 @@ TEST_F(RecoveryE2ETest, InlineVolumeWhoseConnectionIsAbortedHealsInsideTheRunnin
   ASSERT_RPC_OK(Unpublish("inline-1", target));
   EXPECT_EQ(MountCountAt(target), 0) << "unpublish removes every layer";
   EXPECT_FALSE(fs::exists(target));
+}
+
+// Issue 30 part 2: the volume's FUSE tuning is written to its connection once the server has
+// answered FUSE_INIT (whose reply would undo it otherwise), and again on the fresh connection a
+// repair mounts; an inline volume here, read through a pod view throughout.
+TEST_F(RecoveryE2ETest, PerVolumeFuseTuningHoldsOnceServedAndOnEveryFreshConnection) {
+  extra_context_ = {{"readAheadKb", "1536"}, {"maxBackground", "37"}, {"congestionThreshold", "29"}};
+  StartAgent({"--metrics_address=127.0.0.1:0"});
+  const std::string target = Pod("pod-t", "tuned-1");
+  ASSERT_RPC_OK(PublishInline("tuned-1", "pod-t", target));
+  socket_ = PodSocket("pod-t");
+  StartServer(socket_);
+  const std::string want = "hello from the export\n";
+  auto view = PodReader(target, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
+  const std::string tuned = "tuned: readAheadKb=1536 maxBackground=37 congestionThreshold=29";
+  uint32_t previous = 0;
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_TRUE(WaitForAgentLog(tuned, round + 1)) << "round " << round << "\n" << agent_->Stderr();
+    struct stat st;
+    ASSERT_EQ(stat(target.c_str(), &st), 0);
+    const uint32_t connection = minor(st.st_dev);
+    EXPECT_NE(connection, previous) << "round " << round << ": a fresh connection";
+    const FuseTuningNow now = ReadFuseTuningBlocking(connection);
+    EXPECT_EQ(now.read_ahead_kb, 1536) << "round " << round;
+    EXPECT_EQ(now.max_background, 37) << "round " << round;
+    EXPECT_EQ(now.congestion_threshold, 29) << "round " << round;
+    if (round == 1) break;
+    previous = connection;
+    ASSERT_TRUE(AbortFuseConnectionBlocking(connection).ok());
+    ASSERT_TRUE(servers_.back()->Wait(std::chrono::milliseconds(20000)).has_value());
+    StartServer(socket_);
+    ASSERT_TRUE(view->WaitForReadsOf(want)) << "the container reads through the fresh connection\n" << agent_->Stderr();
+  }
+  EXPECT_EQ(AgentLogCount("FuseTuningFailed"), 0) << agent_->Stderr();
+  const std::string log = agent_->Stderr();
+  const size_t at = log.find("(port ");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string metrics = HttpGet(std::stoi(log.substr(at + 6)), "/metrics");
+  EXPECT_TRUE(absl::StrContains(metrics, "fusekeeper_fuse_tuning_total{outcome=\"applied\"} 2")) << metrics;
+  view->Stop();
+  ASSERT_RPC_OK(Unpublish("tuned-1", target));
 }
 
 // Issue 18 item 1. The agent as the DaemonSet runs it: in a mount namespace of its own (the
