@@ -46,6 +46,7 @@
 #include "agent/paths/kubelet_dir.h"
 #include "agent/sys/syscalls.h"
 #include "agent/volume/state_store.h"
+#include "agent/volume/fuse_kind.h"
 #include "agent/volume/host_path_kind.h"
 #include "agent/volume/volume_manager.h"
 #include "benchmark/benchmark.h"
@@ -188,6 +189,8 @@ Agent& TheAgent() {
     a->volumes = std::make_unique<VolumeManager>(*a->loop, *a->pool, *a->kubelet, *a->store, *a->reader,
                                                  VolumeManagerOptions{.stats_timeout = absl::Seconds(1)});
     a->volumes->AddKind(std::make_unique<HostPathKind>(*a->volumes));
+    a->volumes->AddKind(
+        std::make_unique<FuseKind>(*a->volumes, FuseKindOptions{.socket_dir = Root() + "/state/sockets"}));
     CsiServerOptions options;
     options.endpoint = "unix://" + Root() + "/csi.sock";
     options.identity.driver_name = "fusekeeper.csi";
