@@ -34,6 +34,8 @@
 #include "agent/version.h"
 #include "agent/volume/audits.h"
 #include "agent/volume/state_store.h"
+#include "agent/kube/api_client.h"
+#include "agent/kube/node_readiness.h"
 #include "agent/volume/fuse_kind.h"
 #include "agent/volume/host_path_kind.h"
 #include "agent/volume/volume_manager.h"
@@ -78,6 +80,21 @@ std::unique_ptr<ServerPods> MakeServerPods(Loop& loop, BlockingPool& pool, Clust
   so.driver_name = c.driver_name;
   LOG(INFO) << "server pods of staged volumes go to namespace " << c.server_namespace;
   return std::make_unique<ServerPods>(loop, *cluster.http, pool, *cluster.api, so, ServerPods::Events{});
+}
+
+// The node's readiness taint (node_readiness.h), in a cluster and unless --readiness_taint="".
+struct Readiness {
+  std::unique_ptr<ApiClient> api;
+  std::unique_ptr<NodeReadiness> taint;
+};
+
+Readiness MakeReadiness(Loop& loop, BlockingPool& pool, Cluster& cluster, const AgentConfig& c) {
+  Readiness r;
+  if (!cluster.api || c.readiness_taint.empty()) return r;
+  r.api = std::make_unique<ApiClient>(*cluster.http, pool, *cluster.api, absl::Seconds(10));
+  r.taint = std::make_unique<NodeReadiness>(
+      loop, *r.api, NodeReadinessOptions{.node = c.node_id, .driver_name = c.driver_name, .taint_key = c.readiness_taint});
+  return r;
 }
 
 // Events go to the API server when running in a cluster; elsewhere they are only logged.
@@ -192,14 +209,15 @@ void AddKinds(VolumeManager& volumes, const AgentConfig& c, ServerPods* server_p
 
 // The volumes' state reconciled first; then recovery's detection (audits) starts.
 void StartVolumes(Loop& loop, VolumeManager& volumes, const AgentConfig& c, Telemetry& telemetry,
-                  std::unique_ptr<Audits>* audits) {
-  loop.Post([&loop, &volumes, &c, &telemetry, audits] {
-    volumes.Start([&loop, &volumes, &c, &telemetry, audits](absl::Status s) {
+                  std::unique_ptr<Audits>* audits, NodeReadiness* readiness) {
+  loop.Post([&loop, &volumes, &c, &telemetry, audits, readiness] {
+    volumes.Start([&loop, &volumes, &c, &telemetry, audits, readiness](absl::Status s) {
       if (!s.ok()) {
         LOG(ERROR) << "reconciling volume state failed: " << s << "; Probe stays not-ready and volume RPCs answer UNAVAILABLE";
         return;
       }
       *audits = Audits::Start(loop, volumes, c.audit_period, [&telemetry] { telemetry.MountTableChanged(); });
+      if (readiness != nullptr) readiness->Start();  // CSI is served (the server started first)
     });
   });
 }
@@ -279,7 +297,8 @@ int main(int argc, char** argv) {
   });
   if (!signals.ok()) return Fail(5, signals.status().message());
   std::unique_ptr<Audits> audits;
-  StartVolumes(**loop, volumes, c, telemetry, &audits);
+  Readiness readiness = MakeReadiness(**loop, pool, cluster, c);
+  StartVolumes(**loop, volumes, c, telemetry, &audits, readiness.taint.get());
   LOG(INFO) << "fusekeeper " << kVersion << " node " << c.node_id << " driver " << c.driver_name << " kubelet_dir "
             << kubelet->path() << " state_dir " << c.state_dir << " serving";
   (*loop)->Run();

@@ -32,6 +32,10 @@ DEFINE_string(endpoint, EnvOr("CSI_ENDPOINT", "unix:///csi/csi.sock"),
 DEFINE_string(driver_name, "fusekeeper.csi",
               "CSI driver name reported by GetPluginInfo; must match the CSIDriver object");
 DEFINE_string(node_id, "", "node id reported by NodeGetInfo (default: $NODE_NAME, else hostname)");
+DEFINE_string(readiness_taint, "fusekeeper.csi/agent-not-ready",
+              "in a cluster: the taint key the agent removes from its own node once it serves CSI, has "
+              "reconciled its volumes and the kubelet lists the driver on the node's CSINode (node pools "
+              "register nodes with <key>:NoExecute to keep workloads off until then); empty: none");
 DEFINE_string(kubelet_dir, "/var/lib/kubelet",
               "kubelet root directory; every target and staging path must be below it");
 DEFINE_string(state_dir, "/var/lib/fusekeeper",
@@ -121,6 +125,7 @@ absl::StatusOr<AgentConfig> AgentConfig::FromFlags() {
   c.endpoint = FLAGS_endpoint;
   c.driver_name = FLAGS_driver_name;
   c.node_id = FLAGS_node_id.empty() ? EnvOr("NODE_NAME", HostName()) : FLAGS_node_id;
+  c.readiness_taint = FLAGS_readiness_taint;
   c.kubelet_dir = FLAGS_kubelet_dir;
   c.state_dir = FLAGS_state_dir;
   c.host_root = FLAGS_host_root;
@@ -170,6 +175,15 @@ absl::Status AgentConfig::Check() const {
                             "with '-', '_' and '.' allowed between"));
   }
   if (node_id.empty()) return Bad("no node id: pass --node_id or set NODE_NAME (downward API spec.nodeName)");
+  // A taint key is a qualified name: an optional DNS-subdomain prefix and '/', then a name of at
+  // most 63 characters, alphanumeric at both ends.
+  static const std::regex kTaintKey(
+      "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$");
+  if (!readiness_taint.empty() && (readiness_taint.size() > 316 || !std::regex_match(readiness_taint, kTaintKey))) {
+    return Bad(absl::StrCat("--readiness_taint '", readiness_taint,
+                            "' is not a taint key: [prefix/]name, the name 1-63 characters, alphanumeric at both "
+                            "ends, with '-', '_' and '.' between"));
+  }
   const struct {
     const char* flag;
     absl::Duration value;

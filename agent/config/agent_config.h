@@ -16,6 +16,7 @@ struct AgentConfig {
   std::string endpoint;
   std::string driver_name;
   std::string node_id;  // --node_id, else $NODE_NAME, else the host name
+  std::string readiness_taint;  // removed from the node once the agent serves; empty: none
   std::string kubelet_dir;
   std::string state_dir;
   std::string host_root;

@@ -28,36 +28,16 @@ std::string PercentEncode(const std::string& s) {
 ServerPods::ServerPods(Loop& loop, HttpClient& http, BlockingPool& pool, KubeApiConfig api,
                        ServerPodsOptions options, Events events)
     : loop_(loop),
-      http_(http),
-      api_(std::move(api)),
       options_(std::move(options)),
       events_(std::move(events)),
-      token_(pool, api_.token_file, absl::Seconds(10)),
+      api_(http, pool, std::move(api), options_.request_timeout),
       resync_timer_(loop) {}
 
-ServerPods::~ServerPods() {
-  alive_.End();
-}
+ServerPods::~ServerPods() = default;
 
 void ServerPods::Send(std::string method, std::string path, std::string body,
                       absl::AnyInvocable<void(absl::StatusOr<HttpResult>)> done) {
-  token_.Refresh([this, alive = alive_.token(), method = std::move(method), path = std::move(path), body = std::move(body),
-                  done = std::move(done)]() mutable {
-    if (!alive.alive()) return;
-    HttpRequest r;
-    r.method = std::move(method);
-    r.url = absl::StrCat(api_.base_url, path);
-    if (!body.empty()) r.headers.push_back("Content-Type: application/json");
-    r.headers.push_back("Accept: application/json");
-    if (!token_.value().empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_.value()));
-    r.body = std::move(body);
-    r.ca_file = api_.ca_file;
-    r.insecure = api_.insecure;
-    r.timeout = options_.request_timeout;
-    http_.Send(std::move(r), [alive, done = std::move(done)](absl::StatusOr<HttpResult> res) mutable {
-      if (alive.alive()) done(std::move(res));
-    });
-  });
+  api_.Send(std::move(method), std::move(path), std::move(body), std::move(done));
 }
 
 std::vector<std::string> ServerPods::PodUids(const std::string& volume_id) const {

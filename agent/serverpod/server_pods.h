@@ -28,10 +28,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/kube/event_recorder.h"
+#include "agent/kube/api_client.h"
 #include "agent/kube/http_client.h"
 #include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
-#include "agent/loop/lifetime.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/timer.h"
 #include "agent/serverpod/api_objects.h"
@@ -138,11 +138,9 @@ class ServerPods {
   void Gone(Wanted& w, std::string name);
 
   Loop& loop_;
-  HttpClient& http_;
-  const KubeApiConfig api_;
   const ServerPodsOptions options_;
   Events events_;
-  TokenFile token_;
+  ApiClient api_;
   std::map<std::string, Wanted> wanted_;  // by volume id
   // Pods seen in the last listing, by name (to tell a pod that went away).
   std::map<std::string, ListedServerPod> seen_;
@@ -157,7 +155,6 @@ class ServerPods {
   std::map<std::string, uint64_t> known_at_;
   Timer resync_timer_;
   Stats stats_;
-  Aliveness alive_;
 };
 
 }  // namespace fusekeeper

@@ -106,6 +106,10 @@ class FakeKube {
     return holds();
   }
   int handled() const { return server_->CountInStderr("done "); }
+  // Waits until the double has answered `n` requests "VERB:path" (e.g. "PATCH:/api/v1/nodes/n").
+  bool WaitForAnswered(const std::string& verb_path, int n = 1) {
+    return server_->WaitForStderr("done " + verb_path, n, std::chrono::seconds(20));
+  }
   // Waits until `n` requests have arrived in total.
   bool WaitForRequests(int n) { return server_->WaitForStderr("req ", n, std::chrono::seconds(20)); }
   int requests() const { return server_->CountInStderr("req "); }

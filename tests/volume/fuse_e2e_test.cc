@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "tests/volume/fuse_fixture.h"
 
@@ -525,6 +526,54 @@ INSTANTIATE_TEST_SUITE_P(Points, FuseStagedCrashPointTest,
 INSTANTIATE_TEST_SUITE_P(Points, FuseInlineCrashPointTest,
                          ::testing::Values("state-unnamed", "fuse-publish-mounted", "handoff-socket-unnamed",
                                            "unpublish-unmounted"));
+
+// Issue 30 part 3: a node registered with the readiness taint keeps workloads off until the
+// agent serves; the agent removes that taint (and only it, guarded by the node's resourceVersion)
+// once the kubelet lists its driver on the CSINode, and never puts it back: a restarted agent
+// leaves an untainted node alone.
+TEST_F(FuseE2ETest, TheReadinessTaintIsRemovedOnceTheDriverIsRegisteredAndOnlyIt) {
+  FakeKube& kube = StartKube();
+  const std::string csinode = "/apis/storage.k8s.io/v1/csinodes/n", node = "/api/v1/nodes/n";
+  const std::string tainted = R"({"kind":"Node","metadata":{"name":"n","resourceVersion":"41"},"spec":{"taints":[)"
+                              R"({"key":"fusekeeper.csi/agent-not-ready","effect":"NoExecute"},)"
+                              R"({"key":"dedicated","value":"fuse","effect":"NoSchedule"}]}})";
+  kube.SetObjects({{csinode, R"({"kind":"CSINode","spec":{"drivers":[{"name":"other.csi"}]}})"}, {node, tainted}});
+  const std::string taint_flag = "--readiness_taint=fusekeeper.csi/agent-not-ready";
+  StartAgent({"--kube_secrets_dir=" + secrets_, taint_flag});
+  // Not registered yet: asked again, the node left alone.
+  ASSERT_TRUE(kube.WaitForAnswered("GET:" + csinode, 2)) << agent_->Stderr();
+  auto patches = [&] {
+    int n = 0;
+    for (const auto& line : kube.Log()) n += absl::StrContains(line, "\"verb\": \"PATCH\", \"path\": \"" + node + "\"");
+    return n;
+  };
+  EXPECT_EQ(patches(), 0);
+  kube.SetObjects({{csinode, R"({"kind":"CSINode","spec":{"drivers":[{"name":"other.csi"},{"name":"fusekeeper.csi"}]}})"},
+                   {node, tainted}});
+  ASSERT_TRUE(kube.WaitForAnswered("PATCH:" + node)) << agent_->Stderr() << kube.Diagnostics();
+  ASSERT_TRUE(agent_->WaitForStderr("taint fusekeeper.csi/agent-not-ready removed", 1, std::chrono::seconds(20)));
+  std::string body;
+  for (const auto& line : kube.Log()) {
+    if (absl::StrContains(line, "\"verb\": \"PATCH\"")) body = line;
+  }
+  // The patch, as the double logged it (JSON inside JSON): the guard, then the other taint kept.
+  EXPECT_TRUE(absl::StrContains(body, R"({\"op\":\"test\",\"path\":\"/metadata/resourceVersion\",\"value\":\"41\"})"))
+      << body;
+  EXPECT_TRUE(absl::StrContains(body, R"(\"value\":[{\"effect\":\"NoSchedule\",\"key\":\"dedicated\",\"value\":\"fuse\"}])"))
+      << body;
+  EXPECT_FALSE(absl::StrContains(body, "agent-not-ready")) << body;
+  EXPECT_EQ(patches(), 1);
+  // A restart (volumes to adopt or not) finds the node untainted and leaves it so.
+  kube.SetObjects({{csinode, R"({"kind":"CSINode","spec":{"drivers":[{"name":"fusekeeper.csi"}]}})"},
+                   {node, R"({"kind":"Node","metadata":{"name":"n","resourceVersion":"42"},"spec":{"taints":[)"
+                          R"({"key":"dedicated","value":"fuse","effect":"NoSchedule"}]}})"}});
+  agent_->Signal(SIGTERM);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  StartAgent({"--kube_secrets_dir=" + secrets_, taint_flag});
+  ASSERT_TRUE(agent_->WaitForStderr("does not carry taint fusekeeper.csi/agent-not-ready", 1, std::chrono::seconds(20)))
+      << agent_->Stderr();
+  EXPECT_EQ(patches(), 1);
+}
 
 }  // namespace
 }  // namespace fusekeeper

@@ -116,7 +116,9 @@ class FuseE2ETest : public ::testing::Test {
     std::vector<std::string> cmd = agent_prefix_;
     std::vector<std::string> agent = {RunfilePath("agent/fusekeeper"), "--endpoint=unix://" + root_.path() + "/csi.sock",
                                     "--node_id=n", "--kubelet_dir=" + kubelet_, "--state_dir=" + state_,
-                                    "--stats_timeout_ms=1000"};
+                                    "--stats_timeout_ms=1000",
+                                    // Off unless a test is about it (it polls the API server).
+                                    "--readiness_taint="};
     agent.insert(agent.end(), extra.begin(), extra.end());
     cmd.insert(cmd.end(), agent.begin(), agent.end());
     agent_ = std::make_unique<Subprocess>(cmd, agent_env_);
