@@ -38,6 +38,7 @@ void AgentLink::Watch() {
   // Ours alone (a fresh socket per connection): a notice never waits on an agent that is not
   // reading.
   fcntl(sock_.get(), F_SETFL, fcntl(sock_.get(), F_GETFL) | O_NONBLOCK);
+  if (backing_ != nullptr) backing_->SetSocket(UniqueFd(fcntl(sock_.get(), F_DUPFD_CLOEXEC, 3)));
   watch_ = std::make_unique<PollWatch>(loop_, sock_.get(), POLLIN | POLLRDHUP, /*multishot=*/true,
                                        [this](int res) {
                                          if (res > 0) Readable();
@@ -54,18 +55,27 @@ void AgentLink::Readable() {
       continue;
     }
     if (n > 0) {
+      auto backing = DecodeBackingReply(absl::string_view(buf, static_cast<size_t>(n)));
+      if (backing.ok() && backing->has_value()) {
+        if (backing_ != nullptr) backing_->Deliver(**backing);
+        continue;
+      }
+    }
+    if (n > 0) {
       // The agent does not speak on a serving connection except to refuse a re-deposit (or to
       // end a drain).
       fprintf(stderr, "fkserve: the agent did not take the re-deposited connection: %.*s\n",
               static_cast<int>(n), buf);
       watch_.reset();
       given_up_ = true;
+      if (backing_ != nullptr) backing_->SetSocket(UniqueFd());
       return;
     }
     fprintf(stderr, "fkserve: the agent closed the handoff connection; re-depositing the FUSE connection "
                     "when it listens again\n");
     watch_.reset();
     sock_.Reset();
+    if (backing_ != nullptr) backing_->SetSocket(UniqueFd());
     backoff_ = std::chrono::milliseconds(20);
     TryRedeposit();
   }
@@ -128,6 +138,7 @@ void AgentLink::StopServing(const std::string& why) {
 void AgentLink::Report(bool ok, const std::string& error) {
   watch_.reset();
   given_up_ = true;
+  if (backing_ != nullptr) backing_->SetSocket(UniqueFd());
   if (!sock_) return;
   HandoffReply r;
   r.ok = ok;

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "agent/base/unique_fd.h"
+#include "agent/fkserve/backing_client.h"
 #include "agent/fkserve/handoff_client.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/loop.h"
@@ -48,6 +49,9 @@ class AgentLink {
   void set_drain_ms(int64_t ms) { drain_ms_ = ms; }
   // The server's own stop, called once when a held stop ends (`why` says how).
   void set_on_stop(std::function<void(const std::string& why)> fn) { on_stop_ = std::move(fn); }
+  // Passthrough requests go over the link's current connection and their answers come back
+  // through it (backing_client.h). Before Start().
+  void set_backing_client(BackingClient* client) { backing_ = client; }
   // Starts watching the connection.
   void Start();
   // A SIGTERM came. With a drain time the link drains and returns true: the stop comes later
@@ -80,6 +84,7 @@ class AgentLink {
   UniqueFd fuse_dup_;
   UniqueFd relay_state_;
   UniqueFd sock_;
+  BackingClient* backing_ = nullptr;
   std::unique_ptr<PollWatch> watch_;
   Timer drain_timer_, redeposit_timer_;
   std::chrono::milliseconds backoff_{20};

@@ -45,6 +45,10 @@ DEFINE_int32(socket_wait_ms, 120000,
              "how long to wait for the handoff socket to appear (or its agent to listen): a server pod "
              "starts before the agent has found its emptyDir");
 DEFINE_string(root, "", "serve: the directory to export");
+DEFINE_bool(passthrough, true,
+            "serve: FUSE passthrough for regular files where the kernel offers it (Linux 6.9+): the agent "
+            "registers each opened file as a backing file of the connection, and the kernel reads, writes and "
+            "maps it directly; an open the agent refuses is served the ordinary way");
 DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused");
 DEFINE_string(work_dir, "",
               "launch: where the launcher makes its private directory (the program's mount point, "
@@ -245,6 +249,6 @@ int main(int argc, char** argv) {
     return fusekeeper::Launch(std::move(*sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
   }
   return fusekeeper::Serve(std::move(*sock), std::move(*handoff),
-                           {.root = FLAGS_root, .socket_path = FLAGS_socket,
+                           {.root = FLAGS_root, .passthrough = FLAGS_passthrough, .socket_path = FLAGS_socket,
                             .agent_uid = static_cast<uid_t>(FLAGS_agent_uid), .mark_ready = MarkReady});
 }

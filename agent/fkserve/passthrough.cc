@@ -16,8 +16,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
+#include "agent/fkserve/backing_client.h"
 #include "agent/fkserve/passthrough_fs.h"
+#include "agent/fuse/passthrough_abi.h"
 #include "agent/fkserve/relay/fuse_wire.h"
 #include "absl/strings/str_cat.h"
 
@@ -27,6 +30,11 @@ namespace {
 using namespace passthrough_internal;  // NOLINT: the file system this file serves
 
 Fs* F(fuse_req_t req) { return static_cast<Fs*>(fuse_req_userdata(req)); }
+
+// Passthrough (below, with the session's I/O): an OPEN's or CREATE's backing id from the agent,
+// and its release.
+void MaybePassthrough(fuse_req_t req, int fd, uint64_t fh);
+void ReleaseBacking(fuse_req_t req, uint64_t fh);
 
 // The inode behind a node id, or an ESTALE reply (a node id no server can resolve any more).
 #define INODE_OR_ESTALE(var, req, ino)          \
@@ -146,6 +154,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   int fd = open(ProcPath(inode).c_str(), (fi->flags & ~O_NOFOLLOW) | O_CLOEXEC);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
   fi->fh = F(req)->AddFile(fd);
+  MaybePassthrough(req, fd, fi->fh);
   fuse_reply_open(req, fi);
 }
 
@@ -161,6 +170,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, 
     return (void)fuse_reply_err(req, err);
   }
   fi->fh = F(req)->AddFile(fd);
+  MaybePassthrough(req, fd, fi->fh);
   fuse_reply_create(req, &e, fi);
 }
 
@@ -190,6 +200,7 @@ void OpFlush(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  ReleaseBacking(req, fi->fh);
   F(req)->ReleaseFile(fi->fh);
   fuse_reply_err(req, 0);
 }
@@ -320,7 +331,99 @@ struct ReplayIo {
   uint64_t init_unique = 0;
   int stop_fd = -1;  // PassthroughOptions::stop_fd
   fuse_session* se = nullptr;
+  // Passthrough (PassthroughOptions::backing). The session is one thread: an OPEN's handler and
+  // the write of its reply follow each other, so the backing id waits here for that reply.
+  BackingClient* backing = nullptr;
+  bool kernel_offers_passthrough = false;
+  bool passthrough = false;  // offered in our INIT reply (or, adopted, taken on trust: the agent checks)
+  struct Pending {
+    uint64_t fh = 0;
+    int32_t backing_id = 0;
+  };
+  std::optional<Pending> pending;
+  std::map<uint64_t, int32_t> backing_by_fh;
+  bool said_refused = false;
 };
+
+ReplayIo* Io(fuse_req_t req);
+
+void ReleaseBacking(fuse_req_t req, uint64_t fh) {
+  ReplayIo* io = Io(req);
+  if (io == nullptr) return;
+  auto it = io->backing_by_fh.find(fh);
+  if (it == io->backing_by_fh.end()) return;
+  io->backing->Close(it->second);  // the kernel's open file keeps its own reference
+  io->backing_by_fh.erase(it);
+}
+
+// An OPEN or CREATE of `fd` (handle `fh`): a backing id from the agent, kept for the reply.
+void MaybePassthrough(fuse_req_t req, int fd, uint64_t fh) {
+  ReplayIo* io = Io(req);
+  if (io == nullptr || !io->passthrough || io->backing == nullptr) return;
+  auto id = io->backing->Open(fd);
+  if (!id.ok()) {  // served the ordinary way
+    if (!io->said_refused) {
+      io->said_refused = true;
+      fprintf(stderr, "fkserve: passthrough: the agent did not register a file (%s); such opens are served the "
+              "ordinary way\n", std::string(id.status().message()).c_str());
+    }
+    return;
+  }
+  io->pending = ReplayIo::Pending{fh, *id};
+  io->backing_by_fh[fh] = *id;
+}
+
+// The INIT request offers FUSE_PASSTHROUGH (in flags, or flags2 when FUSE_INIT_EXT is set).
+bool OffersPassthrough(const std::string& init) {
+  if (init.size() < sizeof(fuse_in_header) + sizeof(fuse_init_in)) return false;
+  fuse_init_in in;
+  memcpy(&in, init.data() + sizeof(fuse_in_header), sizeof(in));
+  uint64_t flags = in.flags;
+  if (flags & FUSE_INIT_EXT) flags |= uint64_t{in.flags2} << 32;
+  return (flags & kInitFusePassthrough) != 0;
+}
+
+// Our INIT reply, in `msg`: says FUSE_PASSTHROUGH with a stack depth. False if it cannot (short,
+// or writeback caching, which the kernel does not combine with passthrough).
+bool OfferPassthroughInReply(std::string* msg) {
+  constexpr size_t kBody = sizeof(fuse_out_header);
+  if (msg->size() < kBody + kInitOutMaxStackDepth + sizeof(uint32_t)) return false;
+  fuse_init_out out;
+  memcpy(&out, msg->data() + kBody, std::min(sizeof(out), msg->size() - kBody));
+  if (out.flags & FUSE_WRITEBACK_CACHE) return false;
+  out.flags |= FUSE_INIT_EXT;
+  out.flags2 |= static_cast<uint32_t>(kInitFusePassthrough >> 32);
+  const uint32_t depth = kPassthroughStackDepth;
+  memcpy(msg->data() + kBody, &out, std::min(sizeof(out), msg->size() - kBody));
+  memcpy(msg->data() + kBody + kInitOutMaxStackDepth, &depth, sizeof(depth));
+  return true;
+}
+
+// An OPEN reply (fuse_open_out) or a CREATE reply (fuse_entry_out, then fuse_open_out) in `msg`
+// for handle `p.fh`: FOPEN_PASSTHROUGH with the backing id. False if it is not that reply.
+bool PassThroughInOpenReply(std::string* msg, const ReplayIo::Pending& p) {
+  constexpr size_t kBody = sizeof(fuse_out_header);
+  const size_t body = msg->size() - kBody;
+  if (msg->size() < kBody || (body != sizeof(fuse_open_out) && body != sizeof(fuse_entry_out) + sizeof(fuse_open_out))) {
+    return false;
+  }
+  const size_t at = msg->size() - sizeof(fuse_open_out);
+  fuse_open_out out;
+  memcpy(&out, msg->data() + at, sizeof(out));
+  if (out.fh != p.fh) return false;
+  out.open_flags |= kFopenPassthrough;
+  memcpy(msg->data() + at, &out, sizeof(out));
+  memcpy(msg->data() + at + kOpenOutBackingId, &p.backing_id, sizeof(p.backing_id));
+  return true;
+}
+
+std::string Gather(const iovec* iov, int count) {
+  std::string msg;
+  for (int i = 0; i < count; ++i) msg.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+  return msg;
+}
+
+ReplayIo* Io(fuse_req_t req) { return static_cast<ReplayIo*>(F(req)->io()); }
 
 ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
   auto* io = static_cast<ReplayIo*>(static_cast<Fs*>(userdata)->io());
@@ -349,6 +452,28 @@ ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
 
 ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
   auto* io = static_cast<ReplayIo*>(static_cast<Fs*>(userdata)->io());
+  if (count > 0 && iov[0].iov_len >= sizeof(fuse_out_header) &&
+      (io->pending || (!io->live && io->kernel_offers_passthrough && io->backing != nullptr && !io->answered))) {
+    const auto* h = static_cast<const fuse_out_header*>(iov[0].iov_base);
+    std::string msg;
+    bool patched = false;
+    if (!io->live && !io->answered && h->unique == io->init_unique && h->error == 0) {
+      io->answered = true;
+      msg = Gather(iov, count);
+      patched = io->passthrough = OfferPassthroughInReply(&msg);
+      fprintf(stderr, "fkserve: passthrough: %s\n",
+              patched ? "asked for in the INIT reply (the agent registers each opened file)"
+                      : "not asked for (writeback caching is on)");
+    } else if (io->pending && h->error == 0) {
+      msg = Gather(iov, count);
+      patched = PassThroughInOpenReply(&msg, *io->pending);
+      if (patched) io->pending.reset();
+    }
+    if (patched) {
+      const ssize_t n = write(fd, msg.data(), msg.size());
+      return n;
+    }
+  }
   if (io->live && !io->answered && count > 0 && iov[0].iov_len >= sizeof(fuse_out_header)) {
     const auto* h = static_cast<const fuse_out_header*>(iov[0].iov_base);
     if (h->unique == io->init_unique) {
@@ -407,6 +532,13 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
     close(fuse_fd);
     return absl::FailedPreconditionError("a live connection needs its recorded FUSE_INIT to be adopted");
   }
+  io.backing = options.backing;
+  io.kernel_offers_passthrough = OffersPassthrough(io.init);
+  if (io.backing != nullptr && !io.live && !io.kernel_offers_passthrough) {
+    fprintf(stderr, "fkserve: passthrough: the kernel does not offer it (Linux 6.9+, CONFIG_FUSE_PASSTHROUGH)\n");
+  }
+  // Adopted: the first server's INIT reply decided; the agent refuses backing files if it said no.
+  io.passthrough = io.live && io.backing != nullptr;
   fs.set_io(&io);
   static const fuse_lowlevel_ops ops = MakeOps();
   char arg0[] = "fkserve";

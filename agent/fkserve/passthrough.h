@@ -17,6 +17,8 @@
 
 namespace fusekeeper {
 
+class BackingClient;
+
 struct PassthroughOptions {
   std::string root;                     // the directory to export
   bool read_only = false;
@@ -31,6 +33,10 @@ struct PassthroughOptions {
   // Readable: serving ends, as after an unmount (the owner's loop takes the stop signals). -1:
   // libfuse's own handlers of SIGTERM, SIGINT and SIGHUP end it.
   int stop_fd = -1;
+  // FUSE passthrough brokered by the agent (backing_client.h): offered in the INIT reply where
+  // the kernel offers it, then every OPEN and CREATE asks the agent for a backing id and, given
+  // one, the kernel reads, writes and maps the file itself. Null: no passthrough.
+  BackingClient* backing = nullptr;
 };
 
 // Blocking. Reads the FUSE_INIT request a fresh connection starts with (waiting up to

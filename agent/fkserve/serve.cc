@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "agent/fkserve/agent_link.h"
+#include "agent/fkserve/backing_client.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/signals.h"
@@ -68,6 +69,11 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
   link.set_drain_ms(handoff.config.drain_ms);
   link.set_on_stop([&](const std::string&) { stop_serving(); });
+  BackingClient backing;
+  if (o.passthrough) {
+    link.set_backing_client(&backing);
+    options.backing = &backing;
+  }
   auto signals = SignalWatcher::Create(**loop, {SIGTERM, SIGINT, SIGHUP}, [&](int sig) {
     if (sig == SIGTERM && link.HoldStop()) return;
     stop_serving();
@@ -84,6 +90,10 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   session.join();
   if (o.mark_ready) o.mark_ready(false);
   link.Report(s.ok(), s.ok() ? "" : std::string(s.message()));
+  if (backing.opened() > 0) {
+    fprintf(stderr, "fkserve: %lld open(s) passed through to their backing files\n",
+            static_cast<long long>(backing.opened()));
+  }
   if (!s.ok()) return Fail(5, std::string(s.message()));
   return 0;
 }

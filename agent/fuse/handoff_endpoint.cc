@@ -451,9 +451,16 @@ std::unique_ptr<HandoffEndpoint::Connection> HandoffEndpoint::TakeConnection(Con
 void HandoffEndpoint::WatchServer(Connection* c) {
   c->recv.callback = [this, c](int32_t res, bool) {
     Completed();
+    std::vector<UniqueFd> fds;
     if (res > 0) {
       bool other_control;
-      TakeReceivedFds(c->in_msg, &other_control);
+      fds = TakeReceivedFds(c->in_msg, &other_control);
+      auto backing = DecodeBackingRequest(absl::string_view(c->in.data(), static_cast<size_t>(res)));
+      if (backing.ok() && backing->has_value() && !policy_.stopped()) {
+        OnBackingRequest(c, **backing, std::move(fds));
+        ArmServerReceive(c);  // (the callback stays: it is the one running)
+        return;
+      }
     }
     absl::Status why;
     if (res == -ECANCELED) {
@@ -481,6 +488,8 @@ void HandoffEndpoint::WatchServer(Connection* c) {
             : reply->ok  ? absl::UnavailableError("the FUSE server stopped serving")
                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
     }
+    ReleaseBackingIds(c);
+    c->alive.End();  // a registration still on its way is closed when it comes back
     c->fd.Reset();
     const bool current = c == serving_connection_;
     if (current) serving_connection_ = nullptr;

@@ -36,6 +36,7 @@
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/timer.h"
+#include "agent/fuse/backing_broker.h"
 
 namespace fusekeeper {
 
@@ -55,6 +56,12 @@ struct HandoffOptions {
   // A server pod's server (AddListener) is told it may drain this long (MountConfig::drain_ms):
   // asked to stop, it serves on until a successor waits on standby. Zero: no draining.
   absl::Duration drain_wait = absl::ZeroDuration();
+  // Registers the serving server's passthrough backing files (handoff_backing.cc); null: such
+  // requests are refused.
+  BackingBroker* broker = nullptr;
+  // Per serving server: backing ids held at once, and requests in flight.
+  int max_backing_ids = 4096;
+  int max_backing_in_flight = 64;
 };
 
 class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
@@ -153,6 +160,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // The relay state a serving launcher deposited (handoff_protocol.h), kept for its successor.
   bool has_relay_state() const { return relay_state_.valid(); }
   int connections_handled() const { return connections_; }
+  // Passthrough backing files registered for its servers, and requests refused.
+  int64_t backing_opened() const { return backing_opened_; }
+  int64_t backing_refused() const { return backing_refused_; }
 
  private:
   struct Connection;
@@ -173,6 +183,11 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   void Route(Connection* c);
   // What to do with a server nobody else serves before: offer, park, or wait for a re-deposit.
   void Admit(Connection* c);
+  // A passthrough request of the serving server (handoff_backing.cc): answered on its connection.
+  void OnBackingRequest(Connection* c, const BackingRequest& req, std::vector<UniqueFd> fds);
+  void ReplyBacking(Connection* c, const BackingReply& reply);
+  // The backing ids a server that stopped left registered: closed (open files keep theirs).
+  void ReleaseBackingIds(Connection* c);
   // Keeps c waiting on standby (at most four: the oldest goes).
   void ToStandby(Connection* c);
   // The serving server c says it drains (asked to stop, it serves on): on_draining, and it is
@@ -230,6 +245,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   HandoffPolicy policy_;  // where servers go, and the state that decides it
   bool abort_expected_ = false;
   int adoptions_ = 0;
+  int64_t backing_opened_ = 0, backing_refused_ = 0;
   int relieved_ = 0;
   int redeposits_ = 0;
   int connections_ = 0;

@@ -2,13 +2,18 @@
 // for other users.
 #pragma once
 
+#include <optional>
+#include <set>
+
 #include <sys/socket.h>
 #include <sys/types.h>
 
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "agent/loop/lifetime.h"
 #include "agent/loop/timer.h"
+#include "agent/fuse/backing_broker.h"
 #include "agent/base/fd_passing.h"
 #include "agent/base/unique_fd.h"
 #include "agent/fuse/handoff_endpoint.h"
@@ -44,6 +49,13 @@ struct HandoffEndpoint::Connection {
   std::string tag;  // the listener it came through (AddListener); empty: the main one
   bool draining = false;  // serving, asked to stop, waiting for a successor (MountConfig::drain_ms)
   bool relieved = false;  // told to stop
+  // Passthrough (handoff_backing.cc): who the server is, the backing ids it holds, its requests
+  // in flight; `alive` guards the broker's answers, which may come after the connection ended.
+  std::optional<ServerIdentity> identity;
+  std::set<int32_t> backing_ids;
+  int backing_in_flight = 0;
+  int64_t backing_opened = 0;
+  Aliveness alive;
 };
 
 struct HandoffEndpoint::Listener {

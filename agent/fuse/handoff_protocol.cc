@@ -270,6 +270,60 @@ bool IsMemfd(int fd) {
   return n > 7 && memcmp(link, "/memfd:", 7) == 0;
 }
 
+std::string EncodeBackingRequest(const BackingRequest& r) {
+  if (r.open) return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"backing_open\":", r.id, "}");
+  return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"backing_close\":", r.backing_id, ",\"id\":", r.id,
+                      "}");
+}
+
+absl::StatusOr<std::optional<BackingRequest>> DecodeBackingRequest(absl::string_view json) {
+  simdjson::dom::parser parser;
+  auto doc = ParseObject(parser, json);
+  if (!doc.ok()) return std::optional<BackingRequest>();
+  BackingRequest r;
+  simdjson::dom::element e;
+  if (!(*doc)["backing_open"].get(e)) {
+    if (e.get_uint64().get(r.id)) return Bad("\"backing_open\" is not a request id");
+    r.open = true;
+    return std::optional<BackingRequest>(r);
+  }
+  if ((*doc)["backing_close"].get(e)) return std::optional<BackingRequest>();
+  int64_t id = 0;
+  if (e.get_int64().get(id) || id <= 0 || id > INT32_MAX) return Bad("\"backing_close\" is not a backing id");
+  r.backing_id = static_cast<int32_t>(id);
+  if ((*doc)["id"].get_uint64().get(r.id)) return Bad("\"id\" missing or not a request id");
+  return std::optional<BackingRequest>(r);
+}
+
+std::string EncodeBackingReply(const BackingReply& r) {
+  if (!r.error.empty()) {
+    return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"backing_reply\":", r.id,
+                        ",\"error\":", JsonQuote(r.error), "}");
+  }
+  return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"backing_reply\":", r.id,
+                      ",\"backing_id\":", r.backing_id, "}");
+}
+
+absl::StatusOr<std::optional<BackingReply>> DecodeBackingReply(absl::string_view json) {
+  simdjson::dom::parser parser;
+  auto doc = ParseObject(parser, json);
+  if (!doc.ok()) return std::optional<BackingReply>();
+  BackingReply r;
+  simdjson::dom::element e;
+  if ((*doc)["backing_reply"].get(e)) return std::optional<BackingReply>();
+  if (e.get_uint64().get(r.id)) return Bad("\"backing_reply\" is not a request id");
+  std::string_view v;
+  if (!(*doc)["error"].get_string().get(v)) {
+    r.error = std::string(v.substr(0, 1024));
+    if (r.error.empty()) r.error = "refused without a reason";
+    return std::optional<BackingReply>(r);
+  }
+  int64_t id = 0;
+  if ((*doc)["backing_id"].get_int64().get(id) || id < 0 || id > INT32_MAX) return Bad("\"backing_id\" is not a backing id");
+  r.backing_id = static_cast<int32_t>(id);
+  return std::optional<BackingReply>(r);
+}
+
 std::string EncodeStopRequest() { return absl::StrCat("{\"version\":", kHandoffProtocolVersion, ",\"stop\":true}"); }
 
 bool IsStopRequest(absl::string_view json) {

@@ -142,6 +142,29 @@ struct HandoffReply {
   bool draining = false;
 };
 
+// FUSE passthrough brokered by the agent (backing_broker.h), on a serving server's connection:
+//   server → agent  {"version":1,"backing_open":<id>} with the file's fd attached: register it as
+//                   a backing file of this connection;
+//                   {"version":1,"backing_close":<backing id>,"id":<id>}: unregister one;
+//   agent → server  {"version":1,"backing_reply":<id>,"backing_id":<n>} or
+//                   {"version":1,"backing_reply":<id>,"error":"..."} (a close answers backing_id 0).
+// Requests are answered in any order; `id` is the server's, to match them.
+struct BackingRequest {
+  uint64_t id = 0;
+  bool open = false;        // else close
+  int32_t backing_id = 0;   // close: which
+};
+struct BackingReply {
+  uint64_t id = 0;
+  int32_t backing_id = 0;
+  std::string error;  // empty: done
+};
+std::string EncodeBackingRequest(const BackingRequest& r);
+// nullopt: `json` is not a backing request (another message); an error: a malformed one.
+absl::StatusOr<std::optional<BackingRequest>> DecodeBackingRequest(absl::string_view json);
+std::string EncodeBackingReply(const BackingReply& r);
+absl::StatusOr<std::optional<BackingReply>> DecodeBackingReply(absl::string_view json);
+
 // The agent's stop request to a draining server: {"version":1,"stop":true}.
 std::string EncodeStopRequest();
 bool IsStopRequest(absl::string_view json);

@@ -116,6 +116,7 @@ FuseKind::FuseKind(VolumeHost& host, FuseKindOptions options)
     : VolumeKind(host),
       options_(std::move(options)),
       endpoints_(host.loop()),
+      broker_(host.loop()),
       repairs_(host.loop(), options_.repair_backoff, options_.max_repair_backoff) {
   if (options_.server_pods == nullptr) return;
   ServerPods::Events ev;

@@ -146,6 +146,7 @@ class FuseKind final : public VolumeKind {
 
   const FuseKindOptions options_;
   FuseEndpoints endpoints_;
+  BackingBroker broker_;  // passthrough for the volumes' servers (backing_broker.h)
   RepairScheduler repairs_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer

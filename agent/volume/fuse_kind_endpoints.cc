@@ -33,8 +33,10 @@ MountConfig HandoffConfig(const state::Volume& v, const std::string& path,
   return config;
 }
 
-HandoffOptions HandoffOptionsFor(const FuseKindOptions& o, const state::Volume& v, const std::string& path) {
+HandoffOptions HandoffOptionsFor(const FuseKindOptions& o, const state::Volume& v, const std::string& path,
+                                 BackingBroker* broker) {
   HandoffOptions ho;
+  ho.broker = broker;
   ho.reply_timeout = o.handoff_reply_timeout;
   ho.peer_uid = v.fuse().server_uid();
   ho.redeposit_wait = o.redeposit_wait;
@@ -54,7 +56,7 @@ void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, Un
   FuseEndpoint& e = endpoints_.Add(vid, path);
   e.endpoint = HandoffEndpoint::Start(host_.loop(), std::move(listen_fd), std::move(fuse_fd),
                                       HandoffConfig(v, path, secrets, mount_options),
-                                      HandoffOptionsFor(options_, v, path), HandoffEvents(vid, path));
+                                      HandoffOptionsFor(options_, v, path, &broker_), HandoffEvents(vid, path));
   if (unclaimed_timeout) {
     e.handoff_deadline.Arm(absl::ToChronoNanoseconds(options_.handoff_timeout),
                            [this, vid, path] { OnHandoffTimeout(vid, path); });
