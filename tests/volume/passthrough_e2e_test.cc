@@ -12,10 +12,16 @@
 #include <unistd.h>
 
 #include <future>
+#include <fstream>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
+#include "agent/fkserve/handoff_client.h"
 #include "agent/fuse/fuse_mount.h"
+#include "agent/fuse/handoff_protocol.h"
+#include "agent/fuse/passthrough_abi.h"
 #include "tests/volume/fuse_fixture.h"
 #include "tests/volume/pod_app.h"
 #include "tests/volume/pod_reader.h"
@@ -154,6 +160,104 @@ TEST_F(PassthroughE2ETest, PassesThroughAcrossAServerKillAnAgentRestartAndAFresh
   EXPECT_TRUE(AgentSaid("registered its first backing file", 2)) << agent_->Stderr();
   view->Stop();
   EXPECT_EQ(app.error_count(), 0u) << testing::PrintToString(app.errors());
+}
+
+// A server of our own making (the test, as root) takes the volume, answers FUSE_INIT asking for
+// passthrough, and then asks the agent for what a hostile server might: each is refused with a
+// reason, a proper file gets an id it can close, and no fd the agent received stays open.
+TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNothing) {
+  auto sock = ConnectToAgentBlocking(socket_, 0, std::chrono::seconds(10), [](const std::string&) {});
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  auto handoff = ReceiveHandoffBlocking(sock->get(), "test", [](const Handoff&) { return false; });
+  ASSERT_TRUE(handoff.ok()) << handoff.status();
+  // FUSE_INIT, answered by hand: FUSE_PASSTHROUGH with a stack depth of 1.
+  std::string in(64 * 1024, '\0');
+  const ssize_t n = read(handoff->fuse.get(), in.data(), in.size());
+  ASSERT_GE(n, static_cast<ssize_t>(sizeof(fuse_in_header) + sizeof(fuse_init_in)));
+  fuse_in_header h;
+  fuse_init_in init;
+  memcpy(&h, in.data(), sizeof(h));
+  memcpy(&init, in.data() + sizeof(h), sizeof(init));
+  ASSERT_EQ(h.opcode, FUSE_INIT);
+  ASSERT_TRUE((init.flags & FUSE_INIT_EXT) && ((uint64_t{init.flags2} << 32) & kInitFusePassthrough))
+      << "the kernel offers passthrough";
+  struct {
+    fuse_out_header h;
+    fuse_init_out o;
+  } reply{};
+  reply.h = {sizeof(reply), 0, h.unique};
+  reply.o.major = FUSE_KERNEL_VERSION;
+  reply.o.minor = init.minor;
+  reply.o.max_write = 128 * 1024;
+  reply.o.flags = FUSE_INIT_EXT | FUSE_MAX_PAGES;
+  reply.o.max_pages = 32;
+  reply.o.flags2 = static_cast<uint32_t>(kInitFusePassthrough >> 32);
+  const uint32_t depth = 1;
+  memcpy(reinterpret_cast<char*>(&reply.o) + kInitOutMaxStackDepth, &depth, sizeof(depth));
+  ASSERT_EQ(write(handoff->fuse.get(), &reply, sizeof(reply)), static_cast<ssize_t>(sizeof(reply))) << strerror(errno);
+  ReplyToAgent(sock->get(), true, "", false, in.substr(0, static_cast<size_t>(n)));
+  ASSERT_TRUE(AgentSaid("handed to server")) << agent_->Stderr();
+
+  uint64_t next = 0;
+  auto ask = [&](bool open, int fd, int32_t backing_id = 0) -> BackingReply {
+    const uint64_t id = ++next;
+    EXPECT_TRUE(SendHandoffMessage(sock->get(), EncodeBackingRequest(BackingRequest{id, open, backing_id}), fd).ok());
+    pollfd p{sock->get(), POLLIN, 0};
+    if (poll(&p, 1, 20000) != 1) return BackingReply{id, 0, "no answer"};
+    char buf[4096];
+    const ssize_t got = recv(sock->get(), buf, sizeof(buf), 0);
+    auto r = DecodeBackingReply(absl::string_view(buf, got > 0 ? static_cast<size_t>(got) : 0));
+    if (!r.ok() || !r->has_value()) return BackingReply{id, 0, "not a backing reply"};
+    EXPECT_EQ((*r)->id, id);
+    return **r;
+  };
+  const std::string agent_fds = "/proc/" + std::to_string(agent_->pid()) + "/fd";
+  auto fd_count = [&] {
+    int count = 0;
+    for (const auto& e : fs::directory_iterator(agent_fds)) count += !e.path().empty();
+    return count;
+  };
+  const int fds_before = fd_count();
+  struct Hostile {
+    const char* what;
+    std::function<int()> open_fd;
+    const char* says;
+  };
+  { std::ofstream(export_ + "/other.txt") << "not yours"; }
+  ASSERT_EQ(chown((export_ + "/other.txt").c_str(), 12345, 12345), 0);
+  const std::vector<Hostile> hostile = {
+      {"a directory", [&] { return open(export_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); }, "not a regular file"},
+      {"a device", [] { return open("/dev/null", O_RDWR | O_CLOEXEC); }, "not a regular file"},
+      {"an O_PATH fd", [&] { return open((export_ + "/hello.txt").c_str(), O_PATH | O_CLOEXEC); }, "O_PATH"},
+      {"another user's file", [&] { return open((export_ + "/other.txt").c_str(), O_RDONLY | O_CLOEXEC); },
+       "belongs to uid 12345"},
+      {"no fd at all", [] { return -1; }, "exactly one file descriptor"},
+  };
+  for (const auto& k : hostile) {
+    UniqueFd fd(k.open_fd());
+    const BackingReply r = ask(true, fd.get());
+    EXPECT_EQ(r.backing_id, 0) << k.what;
+    EXPECT_TRUE(absl::StrContains(r.error, k.says)) << k.what << ": " << r.error;
+  }
+  // An id this server never registered (another connection's, or made up).
+  EXPECT_TRUE(absl::StrContains(ask(false, -1, 7).error, "not one this server registered"));
+  // A proper file: an id, which closes once and then is no longer ours.
+  { std::ofstream(export_ + "/mine.txt") << "mine"; }
+  UniqueFd mine(open((export_ + "/mine.txt").c_str(), O_RDWR | O_CLOEXEC));
+  const BackingReply ok = ask(true, mine.get());
+  EXPECT_TRUE(ok.error.empty()) << ok.error;
+  EXPECT_GT(ok.backing_id, 0);
+  EXPECT_TRUE(ask(false, -1, ok.backing_id).error.empty());
+  EXPECT_TRUE(absl::StrContains(ask(false, -1, ok.backing_id).error, "not one this server registered"));
+  // One left registered when the server goes: the agent closes it.
+  EXPECT_TRUE(ask(true, mine.get()).error.empty());
+  EXPECT_EQ(fd_count(), fds_before) << "every fd the agent received is closed";
+  sock->Reset();
+  EXPECT_TRUE(AgentSaid("closing the 1 backing file(s) its stopped server left registered")) << agent_->Stderr();
+  // The connection, which this server never served: aborted, so the mount's end waits for nothing.
+  auto connection = FuseConnectionOfFd(handoff->fuse.get());
+  ASSERT_TRUE(connection.ok() && connection->has_value());
+  EXPECT_TRUE(AbortFuseConnectionBlocking(**connection).ok());
 }
 
 }  // namespace
