@@ -49,6 +49,9 @@ DEFINE_bool(passthrough, true,
             "serve: FUSE passthrough for regular files where the kernel offers it (Linux 6.9+): the agent "
             "registers each opened file as a backing file of the connection, and the kernel reads, writes and "
             "maps it directly; an open the agent refuses is served the ordinary way");
+DEFINE_bool(xattrs, true,
+            "serve: extended attributes of the export; off, every xattr call answers ENOSYS, which spares each "
+            "passthrough write the kernel's GETXATTR of security.capability (near native write speed)");
 DEFINE_int32(agent_uid, 0, "the uid the agent runs as; any other peer is refused");
 DEFINE_string(work_dir, "",
               "launch: where the launcher makes its private directory (the program's mount point, "
@@ -249,6 +252,6 @@ int main(int argc, char** argv) {
     return fusekeeper::Launch(std::move(*sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
   }
   return fusekeeper::Serve(std::move(*sock), std::move(*handoff),
-                           {.root = FLAGS_root, .passthrough = FLAGS_passthrough, .socket_path = FLAGS_socket,
+                           {.root = FLAGS_root, .passthrough = FLAGS_passthrough, .xattrs = FLAGS_xattrs, .socket_path = FLAGS_socket,
                             .agent_uid = static_cast<uid_t>(FLAGS_agent_uid), .mark_ready = MarkReady});
 }

@@ -261,12 +261,14 @@ void OpStatfs(fuse_req_t req, fuse_ino_t ino) {
 }
 
 void OpSetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size, int flags) {
+  if (!F(req)->xattrs()) return (void)fuse_reply_err(req, ENOSYS);
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
   INODE_OR_ESTALE(inode, req, ino);
   fuse_reply_err(req, setxattr(ProcPath(inode).c_str(), name, value, size, flags) == 0 ? 0 : errno);
 }
 
 void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
+  if (!F(req)->xattrs()) return (void)fuse_reply_err(req, ENOSYS);
   INODE_OR_ESTALE(inode, req, ino);
   std::string buf(size, '\0');
   ssize_t n = getxattr(ProcPath(inode).c_str(), name, size ? buf.data() : nullptr, size);
@@ -276,6 +278,7 @@ void OpGetxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
 }
 
 void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+  if (!F(req)->xattrs()) return (void)fuse_reply_err(req, ENOSYS);
   INODE_OR_ESTALE(inode, req, ino);
   std::string buf(size, '\0');
   ssize_t n = listxattr(ProcPath(inode).c_str(), size ? buf.data() : nullptr, size);
@@ -285,6 +288,7 @@ void OpListxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
 }
 
 void OpRemovexattr(fuse_req_t req, fuse_ino_t ino, const char* name) {
+  if (!F(req)->xattrs()) return (void)fuse_reply_err(req, ENOSYS);
   if (F(req)->read_only()) return (void)fuse_reply_err(req, EROFS);
   INODE_OR_ESTALE(inode, req, ino);
   fuse_reply_err(req, removexattr(ProcPath(inode).c_str(), name) == 0 ? 0 : errno);

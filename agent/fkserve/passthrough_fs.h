@@ -128,6 +128,7 @@ class Fs {
   }
 
   bool read_only() const { return options_.read_only; }
+  bool xattrs() const { return options_.xattrs; }
   void* io() const { return io_; }
   void set_io(void* io) { io_ = io; }
 

@@ -31,6 +31,7 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   options.root = o.root;
   options.read_only = handoff.config.read_only;
   options.mount_group = handoff.config.mount_group;
+  options.xattrs = o.xattrs;
   struct stat root_st;
   if (stat(o.root.c_str(), &root_st) != 0 || !S_ISDIR(root_st.st_mode)) {
     ReplyToAgent(sock.get(), false, absl::StrCat("export root ", o.root, " is not a directory this server can see"));

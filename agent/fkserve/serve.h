@@ -17,6 +17,7 @@ namespace fusekeeper {
 struct ServeOptions {
   std::string root;         // the directory to export
   bool passthrough = true;  // PassthroughOptions::backing, brokered by the agent
+  bool xattrs = true;       // PassthroughOptions::xattrs
   std::string socket_path;  // the handoff socket (for re-deposits)
   uid_t agent_uid = 0;
   std::function<void(bool)> mark_ready;  // serving starts (true) / ends (false)

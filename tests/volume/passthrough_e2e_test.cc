@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -258,6 +259,38 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   auto connection = FuseConnectionOfFd(handoff->fuse.get());
   ASSERT_TRUE(connection.ok() && connection->has_value());
   EXPECT_TRUE(AbortFuseConnectionBlocking(**connection).ok());
+}
+
+// `fkserve serve --xattrs=false`: no extended attributes (the kernel is told ENOSYS once and asks
+// no more), so a passthrough write needs no server at all; with them, getxattr works.
+TEST_F(PassthroughE2ETest, WithoutXattrsAWriteNeedsNoServer) {
+  Subprocess* server = StartServer(socket_, {"serve", "--root=" + export_, "--xattrs=false"});
+  const std::string want = "hello from the export\n";
+  auto view = PodReader(target_, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << server->Stderr() << agent_->Stderr();
+  char value[16];
+  EXPECT_EQ(getxattr((target_ + "/hello.txt").c_str(), "user.x", value, sizeof(value)), -1);
+  EXPECT_EQ(errno, EOPNOTSUPP) << "the kernel remembers the server has none";
+  fs::create_directories(root_.path() + "/views/app");
+  PodApp app(target_, root_.path() + "/views/app", kServerUid, [](const std::string& view_dir, int out) {
+    const int fd = open((view_dir + "/nx.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+    if (fd < 0) return PodApp::Report(out, PodApp::Err("open nx.txt"));
+    PodApp::Report(out, "+");
+    while (true) {
+      pollfd p{out, POLLIN, 0};
+      if (poll(&p, 1, -1) < 0) continue;
+      const char c = PodApp::NextCommand(out);
+      if (c == 'w') PodApp::Report(out, pwrite(fd, "written", 7, 0) == 7 ? "=ok" : "=failed");
+      if (c == 0) return;
+    }
+  });
+  ASSERT_TRUE(app.WaitForSteps(1)) << testing::PrintToString(app.errors());
+  server->Signal(SIGSTOP);
+  const bool wrote = app.Ask('w', std::chrono::seconds(10));
+  server->Signal(SIGCONT);
+  EXPECT_TRUE(wrote) << "a passthrough write waited for the stopped server";
+  EXPECT_EQ(ReadFile(export_ + "/nx.txt"), "written");
+  view->Stop();
 }
 
 }  // namespace
