@@ -33,7 +33,7 @@ Fs* F(fuse_req_t req) { return static_cast<Fs*>(fuse_req_userdata(req)); }
 
 // Passthrough (below, with the session's I/O): an OPEN's or CREATE's backing id from the agent,
 // and its release.
-void MaybePassthrough(fuse_req_t req, int fd, uint64_t fh);
+void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, uint64_t fh);
 void ReleaseBacking(fuse_req_t req, uint64_t fh);
 
 // The inode behind a node id, or an ESTALE reply (a node id no server can resolve any more).
@@ -154,7 +154,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   int fd = open(ProcPath(inode).c_str(), (fi->flags & ~O_NOFOLLOW) | O_CLOEXEC);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
   fi->fh = F(req)->AddFile(fd);
-  MaybePassthrough(req, fd, fi->fh);
+  MaybePassthrough(req, ino, fd, fi->fh);
   fuse_reply_open(req, fi);
 }
 
@@ -170,7 +170,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, 
     return (void)fuse_reply_err(req, err);
   }
   fi->fh = F(req)->AddFile(fd);
-  MaybePassthrough(req, fd, fi->fh);
+  MaybePassthrough(req, e.ino, fd, fi->fh);
   fuse_reply_create(req, &e, fi);
 }
 
@@ -345,7 +345,15 @@ struct ReplayIo {
     int32_t backing_id = 0;
   };
   std::optional<Pending> pending;
-  std::map<uint64_t, int32_t> backing_by_fh;
+  // The kernel takes one backing file per inode: every passthrough open of an inode must name the
+  // same one (another: EBUSY; a cached open beside them: EIO). So an inode's first open registers
+  // it, the others share it, and the last release closes it.
+  struct InodeBacking {
+    int32_t id = 0;
+    int opens = 0;
+  };
+  std::map<uint64_t, InodeBacking> backing_by_ino;
+  std::map<uint64_t, uint64_t> passthrough_fh;  // handle → its inode
   bool said_refused = false;
 };
 
@@ -354,16 +362,25 @@ ReplayIo* Io(fuse_req_t req);
 void ReleaseBacking(fuse_req_t req, uint64_t fh) {
   ReplayIo* io = Io(req);
   if (io == nullptr) return;
-  auto it = io->backing_by_fh.find(fh);
-  if (it == io->backing_by_fh.end()) return;
-  io->backing->Close(it->second);  // the kernel's open file keeps its own reference
-  io->backing_by_fh.erase(it);
+  auto it = io->passthrough_fh.find(fh);
+  if (it == io->passthrough_fh.end()) return;
+  auto b = io->backing_by_ino.find(it->second);
+  io->passthrough_fh.erase(it);
+  if (b == io->backing_by_ino.end() || --b->second.opens > 0) return;
+  io->backing->Close(b->second.id);  // the kernel's open files keep their own reference
+  io->backing_by_ino.erase(b);
 }
 
-// An OPEN or CREATE of `fd` (handle `fh`): a backing id from the agent, kept for the reply.
-void MaybePassthrough(fuse_req_t req, int fd, uint64_t fh) {
+// An OPEN or CREATE of inode `ino` as `fd` (handle `fh`): its backing id, kept for the reply.
+void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, uint64_t fh) {
   ReplayIo* io = Io(req);
   if (io == nullptr || !io->passthrough || io->backing == nullptr) return;
+  if (auto b = io->backing_by_ino.find(ino); b != io->backing_by_ino.end()) {
+    ++b->second.opens;
+    io->pending = ReplayIo::Pending{fh, b->second.id};
+    io->passthrough_fh[fh] = ino;
+    return;
+  }
   auto id = io->backing->Open(fd);
   if (!id.ok()) {  // served the ordinary way
     if (!io->said_refused) {
@@ -374,7 +391,8 @@ void MaybePassthrough(fuse_req_t req, int fd, uint64_t fh) {
     return;
   }
   io->pending = ReplayIo::Pending{fh, *id};
-  io->backing_by_fh[fh] = *id;
+  io->backing_by_ino[ino] = ReplayIo::InodeBacking{*id, 1};
+  io->passthrough_fh[fh] = ino;
 }
 
 // The INIT request offers FUSE_PASSTHROUGH (in flags, or flags2 when FUSE_INIT_EXT is set).

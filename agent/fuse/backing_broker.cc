@@ -63,7 +63,7 @@ absl::StatusOr<ServerIdentity> PeerIdentity(int sock) {
   return who;
 }
 
-absl::Status CheckBackingFile(int fd, const ServerIdentity& who) {
+absl::Status CheckBackingFile(int fd) {
   const int fl = fcntl(fd, F_GETFL);
   if (fl < 0) return ErrnoStatus(errno, "fcntl F_GETFL on the file sent");
   if ((fl & O_PATH) != 0) return absl::InvalidArgumentError("the file was opened with O_PATH: it cannot be read");
@@ -73,12 +73,26 @@ absl::Status CheckBackingFile(int fd, const ServerIdentity& who) {
     return absl::InvalidArgumentError(absl::StrCat("not a regular file (mode ", absl::Hex(st.st_mode & S_IFMT),
                                                    "): only regular files can back a passthrough open"));
   }
-  if (st.st_uid != who.uid) {
-    return absl::PermissionDeniedError(absl::StrCat("the file belongs to uid ", st.st_uid, ", not to the server's uid ",
-                                                    who.uid));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// On an identity thread: whether the server's identity may open `fd`'s file with its access mode.
+absl::Status CheckServerMayOpen(int fd) {
+  // Opened again through /proc as this thread (the server's identity): the kernel's own check of
+  // the file's permissions, as it will make when it opens the backing file for each user.
+  const int flags = fcntl(fd, F_GETFL);
+  const int mode = flags & O_ACCMODE;
+  UniqueFd again(open(absl::StrCat("/proc/self/fd/", fd).c_str(), mode | O_CLOEXEC | O_NOCTTY));
+  if (!again) {
+    const absl::Status s = ErrnoStatus(errno, "opening the file as the server's user");
+    return absl::PermissionDeniedError(absl::StrCat(s.message(), ": the server could not open it itself"));
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 // One identity's thread: it becomes the identity once, then runs calls in order.
 class BackingBroker::Worker {
@@ -137,7 +151,7 @@ BackingBroker::Worker& BackingBroker::WorkerFor(const ServerIdentity& who) {
 
 void BackingBroker::Open(UniqueFd conn, UniqueFd file, const ServerIdentity& who,
                          absl::AnyInvocable<void(absl::StatusOr<int32_t>)> done) {
-  if (absl::Status s = CheckBackingFile(file.get(), who); !s.ok()) return done(s);
+  if (absl::Status s = CheckBackingFile(file.get()); !s.ok()) return done(s);
   // std::function needs a copyable callable: the move-only parts travel in a shared box.
   struct Call {
     UniqueFd conn, file;
@@ -150,6 +164,8 @@ void BackingBroker::Open(UniqueFd conn, UniqueFd file, const ServerIdentity& who
     absl::StatusOr<int32_t> result = absl::InternalError("not run");
     if (!became.ok()) {
       result = became;
+    } else if (absl::Status may = CheckServerMayOpen(call->file.get()); !may.ok()) {
+      result = may;
     } else {
       FuseBackingMap map{call->file.get(), 0, 0};
       const int id = ioctl(call->conn.get(), kFuseDevIocBackingOpen, &map);

@@ -1,12 +1,13 @@
 // BackingBroker: FUSE passthrough for unprivileged servers (issue 30). A server that opened a
 // file itself asks the agent, over its handoff connection (handoff_protocol.h), to register it
-// as a backing file of its connection; the agent checks it (a regular file, not O_PATH, owned by
-// the server's user) and calls FUSE_DEV_IOC_BACKING_OPEN on its own copy of the connection. The
-// kernel records the caller's credentials and does the backing file's I/O with them
-// (fs/fuse/passthrough.c, fb->cred), so the call is never made as the agent's root: each server
-// identity (uid, gid and supplementary groups, as the kernel reports the server's socket peer)
-// gets a thread of its own that switched, for good, to that identity with CAP_SYS_ADMIN as its
-// only capability (raw syscalls: glibc's set*id would change every thread of the agent).
+// as a backing file of its connection; the agent checks it (a regular file, not O_PATH, one the
+// server's user may open with that access mode) and calls FUSE_DEV_IOC_BACKING_OPEN on its own
+// copy of the connection. The kernel records the caller's credentials and opens and does the
+// backing file's I/O with them (fs/fuse/passthrough.c, fb->cred), so the call is never made as
+// the agent's root: each server identity (uid, gid and supplementary groups, as the kernel reports
+// the server's socket peer) gets a thread of its own that switched, for good, to that identity
+// with CAP_SYS_ADMIN as its only capability (raw syscalls: glibc's set*id would change every
+// thread of the agent).
 //
 // Threading: Open and Close on the loop thread; `done` runs there too. The ioctls run on the
 // identity threads, on a dup of the connection fd the caller hands over.
@@ -41,9 +42,10 @@ struct ServerIdentity {
 // The credentials of the process at the other end of a Unix socket (SO_PEERCRED, SO_PEERGROUPS).
 absl::StatusOr<ServerIdentity> PeerIdentity(int sock);
 
-// Whether `fd` may become a backing file for `who`: a regular file, opened for reading or
-// writing (not O_PATH), owned by who.uid. The refusal says which.
-absl::Status CheckBackingFile(int fd, const ServerIdentity& who);
+// Whether `fd` may become a backing file: a regular file, opened for reading or writing (not
+// O_PATH). The refusal says which. (Whether the server's user may open it is checked on its
+// identity thread, by opening it again there.)
+absl::Status CheckBackingFile(int fd);
 
 class BackingBroker {
  public:

@@ -40,6 +40,7 @@ class PassthroughE2ETest : public FuseE2ETest {
     ASSERT_RPC_OK(PublishInline("pt-1", "pod-p", target_));
     socket_ = PodSocket("pod-p");
   }
+  std::vector<std::string> Passthrough() { return {"serve", "--root=" + export_, "--passthrough"}; }
   bool AgentSaid(const std::string& what, int n = 1) {
     return agent_->WaitForStderr(what, n, std::chrono::duration_cast<std::chrono::milliseconds>(kTestDeadline));
   }
@@ -55,14 +56,14 @@ class PassthroughE2ETest : public FuseE2ETest {
 };
 
 TEST_F(PassthroughE2ETest, ReadsWritesAndMapsGoToTheBackingFileAsTheServersUser) {
-  Subprocess* server = StartServer(socket_);
+  Subprocess* server = StartServer(socket_, Passthrough());
   const std::string want = "hello from the export\n";
   auto view = PodReader(target_, "hello.txt");
   ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << server->Stderr() << agent_->Stderr();
   ASSERT_TRUE(AgentSaid("registered its first backing file")) << agent_->Stderr() << server->Stderr();
   // A write through the mount lands in the export, owned by the server's user, and reads back
   // through read(2) and through a mapping.
-  const std::string data(3 << 20, 'x');
+  std::string data(3 << 20, 'x');
   {
     UniqueFd w(open((target_ + "/new.bin").c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644));
     ASSERT_TRUE(w) << strerror(errno) << agent_->Stderr();
@@ -70,6 +71,19 @@ TEST_F(PassthroughE2ETest, ReadsWritesAndMapsGoToTheBackingFileAsTheServersUser)
     ASSERT_EQ(fsync(w.get()), 0);
   }
   EXPECT_EQ(ReadFile(export_ + "/new.bin"), data) << "the bytes are in the backing file";
+  // Opens of one file at once share its one backing file (the kernel refuses a second one).
+  {
+    UniqueFd a(open((target_ + "/new.bin").c_str(), O_RDONLY | O_CLOEXEC));
+    UniqueFd b(open((target_ + "/new.bin").c_str(), O_RDWR | O_CLOEXEC));
+    UniqueFd c(open((target_ + "/new.bin").c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(a && b && c) << strerror(errno) << "\n" << server->Stderr();
+    char x = 0;
+    EXPECT_EQ(pread(a.get(), &x, 1, 0), 1);
+    EXPECT_EQ(pwrite(b.get(), "y", 1, 0), 1);
+    EXPECT_EQ(pread(c.get(), &x, 1, 0), 1);
+    EXPECT_EQ(x, 'y');
+  }
+  data[0] = 'y';
   struct stat st;
   ASSERT_EQ(stat((export_ + "/new.bin").c_str(), &st), 0);
   EXPECT_EQ(st.st_uid, kServerUid) << "created as the server's user, not the agent's root";
@@ -102,7 +116,7 @@ TEST_F(PassthroughE2ETest, ReadsWritesAndMapsGoToTheBackingFileAsTheServersUser)
 // file itself; a write and fsync still ask the server something first, and wait for the next one), and opens after an adoption, an agent restart and a fresh-connection
 // repair pass through again.
 TEST_F(PassthroughE2ETest, PassesThroughAcrossAServerKillAnAgentRestartAndAFreshConnection) {
-  Subprocess* first = StartServer(socket_);
+  Subprocess* first = StartServer(socket_, Passthrough());
   const std::string want = "hello from the export\n";
   auto view = PodReader(target_, "hello.txt");
   ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
@@ -132,7 +146,7 @@ TEST_F(PassthroughE2ETest, PassesThroughAcrossAServerKillAnAgentRestartAndAFresh
   EXPECT_TRUE(app.Ask('r')) << "a read of a passed-through file waited for a server";
   // A write asks the server first whether the file carries privileges to drop (the kernel's
   // file_remove_privs: a GETXATTR of security.capability): the next server's to answer.
-  Subprocess* second = StartServer(socket_);
+  Subprocess* second = StartServer(socket_, Passthrough());
   EXPECT_TRUE(app.Ask('w')) << second->Stderr() << agent_->Stderr();
   EXPECT_EQ(ReadFile(export_ + "/kept.txt"), "beforeduring");
   ASSERT_TRUE(view->WaitForReadsOf(want)) << "adopted\n" << second->Stderr() << agent_->Stderr();
@@ -155,7 +169,7 @@ TEST_F(PassthroughE2ETest, PassesThroughAcrossAServerKillAnAgentRestartAndAFresh
   ASSERT_EQ(stat(target_.c_str(), &st), 0);
   ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
   ASSERT_TRUE(second->Wait(std::chrono::milliseconds(20000)).has_value());
-  Subprocess* third = StartServer(socket_);
+  Subprocess* third = StartServer(socket_, Passthrough());
   ASSERT_TRUE(view->WaitForReadsOf(want)) << "fresh connection\n" << third->Stderr() << agent_->Stderr();
   EXPECT_TRUE(opens_pass_through("after-fresh-connection"));
   EXPECT_TRUE(AgentSaid("registered its first backing file", 2)) << agent_->Stderr();
@@ -226,12 +240,14 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   };
   { std::ofstream(export_ + "/other.txt") << "not yours"; }
   ASSERT_EQ(chown((export_ + "/other.txt").c_str(), 12345, 12345), 0);
+  ASSERT_EQ(chmod((export_ + "/other.txt").c_str(), 0600), 0);
   const std::vector<Hostile> hostile = {
       {"a directory", [&] { return open(export_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); }, "not a regular file"},
       {"a device", [] { return open("/dev/null", O_RDWR | O_CLOEXEC); }, "not a regular file"},
       {"an O_PATH fd", [&] { return open((export_ + "/hello.txt").c_str(), O_PATH | O_CLOEXEC); }, "O_PATH"},
-      {"another user's file", [&] { return open((export_ + "/other.txt").c_str(), O_RDONLY | O_CLOEXEC); },
-       "belongs to uid 12345"},
+      // (This server is root, but the agent opens as root without CAP_DAC_OVERRIDE: as the kernel will.)
+      {"a file the server's user could not open", [&] { return open((export_ + "/other.txt").c_str(), O_RDONLY | O_CLOEXEC); },
+       "the server could not open it itself"},
       {"no fd at all", [] { return -1; }, "exactly one file descriptor"},
   };
   for (const auto& k : hostile) {
@@ -250,11 +266,19 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   EXPECT_GT(ok.backing_id, 0);
   EXPECT_TRUE(ask(false, -1, ok.backing_id).error.empty());
   EXPECT_TRUE(absl::StrContains(ask(false, -1, ok.backing_id).error, "not one this server registered"));
-  // One left registered when the server goes: the agent closes it.
-  EXPECT_TRUE(ask(true, mine.get()).error.empty());
+  // A flood: ids up to the limit, then a refusal saying so; closing one makes room again.
+  std::vector<int32_t> ids;
+  BackingReply flood;
+  for (int i = 0; i < 5000 && (flood = ask(true, mine.get())).error.empty(); ++i) ids.push_back(flood.backing_id);
+  EXPECT_EQ(ids.size(), 4096u);
+  EXPECT_TRUE(absl::StrContains(flood.error, "holds 4096 backing files already")) << flood.error;
+  EXPECT_TRUE(ask(false, -1, ids.back()).error.empty());
+  ids.pop_back();
+  EXPECT_TRUE(ask(true, mine.get()).error.empty()) << "room for one again";
+  // What is left registered when the server goes (4096 ids): the agent closes it.
   EXPECT_EQ(fd_count(), fds_before) << "every fd the agent received is closed";
   sock->Reset();
-  EXPECT_TRUE(AgentSaid("closing the 1 backing file(s) its stopped server left registered")) << agent_->Stderr();
+  EXPECT_TRUE(AgentSaid("closing the 4096 backing file(s) its stopped server left registered")) << agent_->Stderr();
   // The connection, which this server never served: aborted, so the mount's end waits for nothing.
   auto connection = FuseConnectionOfFd(handoff->fuse.get());
   ASSERT_TRUE(connection.ok() && connection->has_value());
@@ -264,7 +288,7 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
 // `fkserve serve --xattrs=false`: no extended attributes (the kernel is told ENOSYS once and asks
 // no more), so a passthrough write needs no server at all; with them, getxattr works.
 TEST_F(PassthroughE2ETest, WithoutXattrsAWriteNeedsNoServer) {
-  Subprocess* server = StartServer(socket_, {"serve", "--root=" + export_, "--xattrs=false"});
+  Subprocess* server = StartServer(socket_, {"serve", "--root=" + export_, "--passthrough", "--xattrs=false"});
   const std::string want = "hello from the export\n";
   auto view = PodReader(target_, "hello.txt");
   ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << server->Stderr() << agent_->Stderr();
