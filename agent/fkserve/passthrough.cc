@@ -424,11 +424,8 @@ bool OfferPassthroughInReply(std::string* msg) {
 // An OPEN reply (fuse_open_out) or a CREATE reply (fuse_entry_out, then fuse_open_out) in `msg`
 // for handle `p.fh`: FOPEN_PASSTHROUGH with the backing id. False if it is not that reply.
 bool PassThroughInOpenReply(std::string* msg, const ReplayIo::Pending& p) {
-  constexpr size_t kBody = sizeof(fuse_out_header);
-  const size_t body = msg->size() - kBody;
-  if (msg->size() < kBody || (body != sizeof(fuse_open_out) && body != sizeof(fuse_entry_out) + sizeof(fuse_open_out))) {
-    return false;
-  }
+  const size_t body = msg->size() - sizeof(fuse_out_header);  // the caller saw a whole header
+  if (body != sizeof(fuse_open_out) && body != sizeof(fuse_entry_out) + sizeof(fuse_open_out)) return false;
   const size_t at = msg->size() - sizeof(fuse_open_out);
   fuse_open_out out;
   memcpy(&out, msg->data() + at, sizeof(out));
@@ -474,32 +471,14 @@ ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
 
 ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
   auto* io = static_cast<ReplayIo*>(static_cast<Fs*>(userdata)->io());
-  if (count > 0 && iov[0].iov_len >= sizeof(fuse_out_header) &&
-      (io->pending || (!io->live && io->kernel_offers_passthrough && io->backing != nullptr && !io->answered))) {
-    const auto* h = static_cast<const fuse_out_header*>(iov[0].iov_base);
-    std::string msg;
-    bool patched = false;
-    if (!io->live && !io->answered && h->unique == io->init_unique && h->error == 0) {
-      io->answered = true;
-      msg = Gather(iov, count);
-      patched = io->passthrough = OfferPassthroughInReply(&msg);
-      fprintf(stderr, "fkserve: passthrough: %s\n",
-              patched ? "asked for in the INIT reply (the agent registers each opened file)"
-                      : "not asked for (writeback caching is on)");
-    } else if (io->pending && h->error == 0) {
-      msg = Gather(iov, count);
-      patched = PassThroughInOpenReply(&msg, *io->pending);
-      if (patched) io->pending.reset();
-    }
-    if (patched) {
-      const ssize_t n = write(fd, msg.data(), msg.size());
-      return n;
-    }
-  }
-  if (io->live && !io->answered && count > 0 && iov[0].iov_len >= sizeof(fuse_out_header)) {
-    const auto* h = static_cast<const fuse_out_header*>(iov[0].iov_base);
-    if (h->unique == io->init_unique) {
-      io->answered = true;
+  if (count == 0 || iov[0].iov_len < sizeof(fuse_out_header)) return writev(fd, iov, count);
+  const auto* h = static_cast<const fuse_out_header*>(iov[0].iov_base);
+  std::string msg;  // a reply completed here, written whole
+  if (!io->answered && h->unique == io->init_unique) {
+    io->answered = true;
+    if (io->live) {
+      // Adopted: the kernel had its answer from the first server; the requests that server read
+      // and did not answer are asked for again instead.
       size_t total = 0;
       for (int i = 0; i < count; ++i) total += iov[i].iov_len;
       if (const int err = relay::AskKernelToResend(fd); err != 0) {
@@ -508,7 +487,23 @@ ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
       }
       return static_cast<ssize_t>(total);
     }
+    if (io->kernel_offers_passthrough && io->backing != nullptr && h->error == 0) {
+      msg = Gather(iov, count);
+      io->passthrough = OfferPassthroughInReply(&msg);
+      fprintf(stderr, "fkserve: passthrough: %s\n",
+              io->passthrough ? "asked for in the INIT reply (the agent registers each opened file)"
+                              : "not asked for (writeback caching is on)");
+      if (!io->passthrough) msg.clear();
+    }
+  } else if (io->pending) {
+    // The session is one thread: the reply after an OPEN's or CREATE's handler is that one's.
+    if (h->error == 0) {
+      msg = Gather(iov, count);
+      if (!PassThroughInOpenReply(&msg, *io->pending)) msg.clear();
+    }
+    io->pending.reset();
   }
+  if (!msg.empty()) return write(fd, msg.data(), msg.size());
   return writev(fd, iov, count);
 }
 

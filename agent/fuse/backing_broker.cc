@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <condition_variable>
 #include <deque>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -39,6 +38,20 @@ absl::Status BecomeOnThisThread(const ServerIdentity& who) {
   data[CAP_TO_INDEX(CAP_SYS_ADMIN)].effective = CAP_TO_MASK(CAP_SYS_ADMIN);
   data[CAP_TO_INDEX(CAP_SYS_ADMIN)].permitted = CAP_TO_MASK(CAP_SYS_ADMIN);
   if (syscall(SYS_capset, &header, data) != 0) return ErrnoStatus(errno, "capset CAP_SYS_ADMIN");
+  return absl::OkStatus();
+}
+
+// On an identity thread: whether the server's identity may open `fd`'s file with its access mode.
+absl::Status CheckServerMayOpen(int fd) {
+  // Opened again through /proc as this thread (the server's identity): the kernel's own check of
+  // the file's permissions, as it will make when it opens the backing file for each user.
+  const int flags = fcntl(fd, F_GETFL);
+  const int mode = flags & O_ACCMODE;
+  UniqueFd again(open(absl::StrCat("/proc/self/fd/", fd).c_str(), mode | O_CLOEXEC | O_NOCTTY));
+  if (!again) {
+    const absl::Status s = ErrnoStatus(errno, "opening the file as the server's user");
+    return absl::PermissionDeniedError(absl::StrCat(s.message(), ": the server could not open it itself"));
+  }
   return absl::OkStatus();
 }
 
@@ -76,24 +89,6 @@ absl::Status CheckBackingFile(int fd) {
   return absl::OkStatus();
 }
 
-namespace {
-
-// On an identity thread: whether the server's identity may open `fd`'s file with its access mode.
-absl::Status CheckServerMayOpen(int fd) {
-  // Opened again through /proc as this thread (the server's identity): the kernel's own check of
-  // the file's permissions, as it will make when it opens the backing file for each user.
-  const int flags = fcntl(fd, F_GETFL);
-  const int mode = flags & O_ACCMODE;
-  UniqueFd again(open(absl::StrCat("/proc/self/fd/", fd).c_str(), mode | O_CLOEXEC | O_NOCTTY));
-  if (!again) {
-    const absl::Status s = ErrnoStatus(errno, "opening the file as the server's user");
-    return absl::PermissionDeniedError(absl::StrCat(s.message(), ": the server could not open it itself"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 // One identity's thread: it becomes the identity once, then runs calls in order.
 class BackingBroker::Worker {
  public:
@@ -106,7 +101,7 @@ class BackingBroker::Worker {
     cv_.notify_one();
     thread_.join();
   }
-  void Submit(std::function<void(const absl::Status& became)> call) {
+  void Submit(absl::AnyInvocable<void(const absl::Status& became)> call) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(call));
@@ -120,7 +115,7 @@ class BackingBroker::Worker {
     const absl::Status became = BecomeOnThisThread(who_);
     LOG_IF(ERROR, !became.ok()) << "passthrough broker for uid " << who_.uid << ": " << became;
     while (true) {
-      std::function<void(const absl::Status&)> call;
+      absl::AnyInvocable<void(const absl::Status&)> call;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
@@ -135,7 +130,7 @@ class BackingBroker::Worker {
   const ServerIdentity who_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void(const absl::Status&)>> queue_;
+  std::deque<absl::AnyInvocable<void(const absl::Status&)>> queue_;
   bool stopping_ = false;
   std::thread thread_;  // last: starts once the rest is built
 };
@@ -149,26 +144,23 @@ BackingBroker::Worker& BackingBroker::WorkerFor(const ServerIdentity& who) {
   return *w;
 }
 
-void BackingBroker::Open(UniqueFd conn, UniqueFd file, const ServerIdentity& who,
+void BackingBroker::Open(int conn, UniqueFd file, const ServerIdentity& who,
                          absl::AnyInvocable<void(absl::StatusOr<int32_t>)> done) {
   if (absl::Status s = CheckBackingFile(file.get()); !s.ok()) return done(s);
-  // std::function needs a copyable callable: the move-only parts travel in a shared box.
-  struct Call {
-    UniqueFd conn, file;
-    absl::AnyInvocable<void(absl::StatusOr<int32_t>)> done;
-  };
-  auto call = std::make_shared<Call>(Call{std::move(conn), std::move(file), std::move(done)});
-  WorkerFor(who).Submit([this, call](const absl::Status& became) {
+  UniqueFd dup(fcntl(conn, F_DUPFD_CLOEXEC, 3));
+  if (!dup) return done(ErrnoStatus(errno, "dup of the connection"));
+  WorkerFor(who).Submit([this, conn = std::move(dup), file = std::move(file),
+                         done = std::move(done)](const absl::Status& became) mutable {
     // (A StatusOr cannot hold an OK status: the thread's failure to become the identity, else
     // the ioctl's outcome.)
     absl::StatusOr<int32_t> result = absl::InternalError("not run");
     if (!became.ok()) {
       result = became;
-    } else if (absl::Status may = CheckServerMayOpen(call->file.get()); !may.ok()) {
+    } else if (absl::Status may = CheckServerMayOpen(file.get()); !may.ok()) {
       result = may;
     } else {
-      FuseBackingMap map{call->file.get(), 0, 0};
-      const int id = ioctl(call->conn.get(), kFuseDevIocBackingOpen, &map);
+      FuseBackingMap map{file.get(), 0, 0};
+      const int id = ioctl(conn.get(), kFuseDevIocBackingOpen, &map);
       if (id > 0) {
         result = id;
       } else {
@@ -180,29 +172,23 @@ void BackingBroker::Open(UniqueFd conn, UniqueFd file, const ServerIdentity& who
                                                                   : ""));
       }
     }
-    call->conn.Reset();
-    call->file.Reset();
-    loop_.Post([call, result = std::move(result)]() mutable { call->done(std::move(result)); });
+    conn.Reset();
+    file.Reset();
+    loop_.Post([done = std::move(done), result = std::move(result)]() mutable { done(std::move(result)); });
   });
 }
 
-void BackingBroker::Close(UniqueFd conn, int32_t id, const ServerIdentity& who,
-                          absl::AnyInvocable<void(absl::Status)> done) {
-  struct Call {
-    UniqueFd conn;
-    absl::AnyInvocable<void(absl::Status)> done;
-  };
-  auto call = std::make_shared<Call>(Call{std::move(conn), std::move(done)});
-  WorkerFor(who).Submit([this, call, id](const absl::Status& became) {
+void BackingBroker::Close(int conn, int32_t id, const ServerIdentity& who, absl::AnyInvocable<void(absl::Status)> done) {
+  UniqueFd dup(fcntl(conn, F_DUPFD_CLOEXEC, 3));
+  if (!dup) return done(ErrnoStatus(errno, "dup of the connection"));
+  WorkerFor(who).Submit([this, conn = std::move(dup), id, done = std::move(done)](const absl::Status& became) mutable {
     absl::Status result = became;
-    if (became.ok()) {
-      uint32_t backing = static_cast<uint32_t>(id);
-      if (ioctl(call->conn.get(), kFuseDevIocBackingClose, &backing) != 0) {
-        result = ErrnoStatus(errno, "FUSE_DEV_IOC_BACKING_CLOSE");
-      }
+    uint32_t backing = static_cast<uint32_t>(id);
+    if (became.ok() && ioctl(conn.get(), kFuseDevIocBackingClose, &backing) != 0) {
+      result = ErrnoStatus(errno, "FUSE_DEV_IOC_BACKING_CLOSE");
     }
-    call->conn.Reset();
-    loop_.Post([call, result = std::move(result)]() mutable { call->done(std::move(result)); });
+    conn.Reset();
+    if (done) loop_.Post([done = std::move(done), result = std::move(result)]() mutable { done(std::move(result)); });
   });
 }
 

@@ -10,7 +10,7 @@
 // thread of the agent).
 //
 // Threading: Open and Close on the loop thread; `done` runs there too. The ioctls run on the
-// identity threads, on a dup of the connection fd the caller hands over.
+// identity threads, on a dup of the connection fd made at the call (the caller may close its own).
 #pragma once
 
 #include <sys/types.h>
@@ -57,10 +57,10 @@ class BackingBroker {
   // Registers `file` as a backing file of connection `conn` as `who`: the backing id, or why not
   // (CheckBackingFile's refusal, or the kernel's: EPERM when the connection did not negotiate
   // passthrough, ELOOP when the file is itself on a stacked file system).
-  void Open(UniqueFd conn, UniqueFd file, const ServerIdentity& who,
-            absl::AnyInvocable<void(absl::StatusOr<int32_t>)> done);
-  // Unregisters backing id `id` (open files that use it keep their own reference).
-  void Close(UniqueFd conn, int32_t id, const ServerIdentity& who, absl::AnyInvocable<void(absl::Status)> done);
+  void Open(int conn, UniqueFd file, const ServerIdentity& who, absl::AnyInvocable<void(absl::StatusOr<int32_t>)> done);
+  // Unregisters backing id `id` (open files that use it keep their own reference); `done` may be
+  // null.
+  void Close(int conn, int32_t id, const ServerIdentity& who, absl::AnyInvocable<void(absl::Status)> done = nullptr);
 
  private:
   class Worker;

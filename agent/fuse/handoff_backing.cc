@@ -47,19 +47,15 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
     if (!who.ok()) return refuse(std::string(who.status().message()));
     c->identity = *who;
   }
-  UniqueFd conn(fcntl(fuse_fd_.get(), F_DUPFD_CLOEXEC, 3));
-  if (!conn) return refuse(absl::StrCat("dup of the connection: ", strerror(errno)));
   ++c->backing_in_flight;
   auto self = shared_from_this();
   if (req.open) {
     options_.broker->Open(
-        std::move(conn), std::move(fds[0]), *c->identity,
+        fuse_fd_.get(), std::move(fds[0]), *c->identity,
         [this, self, c, alive = c->alive.token(), id = req.id, who = *c->identity](absl::StatusOr<int32_t> r) {
           if (!alive.alive()) {
             // The server went while its file was being registered: nobody will close it.
-            if (r.ok() && fuse_fd_) {
-              options_.broker->Close(UniqueFd(fcntl(fuse_fd_.get(), F_DUPFD_CLOEXEC, 3)), *r, who, [](absl::Status) {});
-            }
+            if (r.ok() && fuse_fd_) options_.broker->Close(fuse_fd_.get(), *r, who);
             return;
           }
           --c->backing_in_flight;
@@ -79,7 +75,7 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
     return;
   }
   c->backing_ids.erase(req.backing_id);
-  options_.broker->Close(std::move(conn), req.backing_id, *c->identity,
+  options_.broker->Close(fuse_fd_.get(), req.backing_id, *c->identity,
                          [this, self, c, alive = c->alive.token(), id = req.id](absl::Status s) {
                            if (!alive.alive()) return;
                            --c->backing_in_flight;
@@ -92,7 +88,7 @@ void HandoffEndpoint::ReleaseBackingIds(Connection* c) {
   LOG(INFO) << "volume " << config_.volume_id << ": closing the " << c->backing_ids.size()
             << " backing file(s) its stopped server left registered";
   for (int32_t id : c->backing_ids) {
-    options_.broker->Close(UniqueFd(fcntl(fuse_fd_.get(), F_DUPFD_CLOEXEC, 3)), id, *c->identity, [](absl::Status) {});
+    options_.broker->Close(fuse_fd_.get(), id, *c->identity);
   }
   c->backing_ids.clear();
 }
