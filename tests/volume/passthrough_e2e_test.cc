@@ -52,6 +52,69 @@ class PassthroughE2ETest : public FuseE2ETest {
     for (off_t off = 0; (n = pread(fd, buf, sizeof(buf), off)) > 0; off += n) out.append(buf, static_cast<size_t>(n));
     return out;
   }
+  // The server killed under an app holding a passed-through file, an agent restart and a fresh
+  // connection; opens pass through after each.
+  void AcrossAServerKillAnAgentRestartAndAFreshConnection() {
+    Subprocess* first = StartServer(socket_, Passthrough());
+    const std::string want = "hello from the export\n";
+    auto view = PodReader(target_, "hello.txt");
+    ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
+    // The app holds kept.txt open, in a process of its own (a test process holding a FUSE file would
+    // flush it as it execs the next server, and wait for a server that cannot start). Commands:
+    // 'r' reads "before", 'w' writes "during" after it.
+    fs::create_directories(root_.path() + "/views/app");
+    PodApp app(target_, root_.path() + "/views/app", kServerUid, [](const std::string& view_dir, int out) {
+      const int fd = open((view_dir + "/kept.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+      if (fd < 0 || pwrite(fd, "before", 6, 0) != 6) return PodApp::Report(out, PodApp::Err("open+write kept.txt"));
+      PodApp::Report(out, "+");
+      while (true) {
+        pollfd p{out, POLLIN, 0};
+        if (poll(&p, 1, -1) < 0) continue;
+        const char c = PodApp::NextCommand(out);
+        char buf[6] = {};
+        if (c == 'r') PodApp::Report(out, pread(fd, buf, 6, 0) == 6 && std::string(buf, 6) == "before" ? "=ok" : "=failed");
+        if (c == 'w') PodApp::Report(out, pwrite(fd, "during", 6, 6) == 6 ? "=ok" : "=failed");
+        if (c == 0) return;  // the test ended
+      }
+    });
+    ASSERT_TRUE(app.WaitForSteps(1)) << testing::PrintToString(app.errors());
+    ASSERT_TRUE(AgentSaid("registered its first backing file")) << agent_->Stderr();
+    // The server is gone: the open file's reads are the kernel's and its backing file's alone.
+    first->Signal(SIGKILL);
+    ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+    EXPECT_TRUE(app.Ask('r')) << "a read of a passed-through file waited for a server";
+    // A write asks the server first whether the file carries privileges to drop (the kernel's
+    // file_remove_privs: a GETXATTR of security.capability): the next server's to answer.
+    Subprocess* second = StartServer(socket_, Passthrough());
+    EXPECT_TRUE(app.Ask('w')) << second->Stderr() << agent_->Stderr();
+    EXPECT_EQ(ReadFile(export_ + "/kept.txt"), "beforeduring");
+    ASSERT_TRUE(view->WaitForReadsOf(want)) << "adopted\n" << second->Stderr() << agent_->Stderr();
+    auto opens_pass_through = [&](const std::string& name) {
+      UniqueFd g(open((target_ + "/" + name).c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
+      return g && pwrite(g.get(), name.data(), name.size(), 0) == static_cast<ssize_t>(name.size()) &&
+             ReadFile(export_ + "/" + name) == name;
+    };
+    EXPECT_TRUE(opens_pass_through("after-adoption"));
+    // An agent restart: the open file reads on, the server re-deposits, opens pass through.
+    agent_->Signal(SIGKILL);
+    ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+    EXPECT_TRUE(app.Ask('r'));
+    StartAgent();
+    ASSERT_TRUE(AgentSaid("re-deposit")) << agent_->Stderr();
+    EXPECT_TRUE(opens_pass_through("after-agent-restart"));
+    EXPECT_TRUE(AgentSaid("registered its first backing file")) << "the restarted agent brokered it\n" << agent_->Stderr();
+    // A fresh connection: its server negotiates passthrough again.
+    struct stat st;
+    ASSERT_EQ(stat(target_.c_str(), &st), 0);
+    ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
+    ASSERT_TRUE(second->Wait(std::chrono::milliseconds(20000)).has_value());
+    Subprocess* third = StartServer(socket_, Passthrough());
+    ASSERT_TRUE(view->WaitForReadsOf(want)) << "fresh connection\n" << third->Stderr() << agent_->Stderr();
+    EXPECT_TRUE(opens_pass_through("after-fresh-connection"));
+    EXPECT_TRUE(AgentSaid("registered its first backing file", 2)) << agent_->Stderr();
+    view->Stop();
+    EXPECT_EQ(app.error_count(), 0u) << testing::PrintToString(app.errors());
+  }
   std::string target_, socket_;
 };
 
@@ -116,65 +179,18 @@ TEST_F(PassthroughE2ETest, ReadsWritesAndMapsGoToTheBackingFileAsTheServersUser)
 // file itself; a write and fsync still ask the server something first, and wait for the next one), and opens after an adoption, an agent restart and a fresh-connection
 // repair pass through again.
 TEST_F(PassthroughE2ETest, PassesThroughAcrossAServerKillAnAgentRestartAndAFreshConnection) {
-  Subprocess* first = StartServer(socket_, Passthrough());
-  const std::string want = "hello from the export\n";
-  auto view = PodReader(target_, "hello.txt");
-  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
-  // The app holds kept.txt open, in a process of its own (a test process holding a FUSE file would
-  // flush it as it execs the next server, and wait for a server that cannot start). Commands:
-  // 'r' reads "before", 'w' writes "during" after it.
-  fs::create_directories(root_.path() + "/views/app");
-  PodApp app(target_, root_.path() + "/views/app", kServerUid, [](const std::string& view_dir, int out) {
-    const int fd = open((view_dir + "/kept.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
-    if (fd < 0 || pwrite(fd, "before", 6, 0) != 6) return PodApp::Report(out, PodApp::Err("open+write kept.txt"));
-    PodApp::Report(out, "+");
-    while (true) {
-      pollfd p{out, POLLIN, 0};
-      if (poll(&p, 1, -1) < 0) continue;
-      const char c = PodApp::NextCommand(out);
-      char buf[6] = {};
-      if (c == 'r') PodApp::Report(out, pread(fd, buf, 6, 0) == 6 && std::string(buf, 6) == "before" ? "=ok" : "=failed");
-      if (c == 'w') PodApp::Report(out, pwrite(fd, "during", 6, 6) == 6 ? "=ok" : "=failed");
-      if (c == 0) return;  // the test ended
-    }
-  });
-  ASSERT_TRUE(app.WaitForSteps(1)) << testing::PrintToString(app.errors());
-  ASSERT_TRUE(AgentSaid("registered its first backing file")) << agent_->Stderr();
-  // The server is gone: the open file's reads are the kernel's and its backing file's alone.
-  first->Signal(SIGKILL);
-  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
-  EXPECT_TRUE(app.Ask('r')) << "a read of a passed-through file waited for a server";
-  // A write asks the server first whether the file carries privileges to drop (the kernel's
-  // file_remove_privs: a GETXATTR of security.capability): the next server's to answer.
-  Subprocess* second = StartServer(socket_, Passthrough());
-  EXPECT_TRUE(app.Ask('w')) << second->Stderr() << agent_->Stderr();
-  EXPECT_EQ(ReadFile(export_ + "/kept.txt"), "beforeduring");
-  ASSERT_TRUE(view->WaitForReadsOf(want)) << "adopted\n" << second->Stderr() << agent_->Stderr();
-  auto opens_pass_through = [&](const std::string& name) {
-    UniqueFd g(open((target_ + "/" + name).c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
-    return g && pwrite(g.get(), name.data(), name.size(), 0) == static_cast<ssize_t>(name.size()) &&
-           ReadFile(export_ + "/" + name) == name;
-  };
-  EXPECT_TRUE(opens_pass_through("after-adoption"));
-  // An agent restart: the open file reads on, the server re-deposits, opens pass through.
-  agent_->Signal(SIGKILL);
-  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
-  EXPECT_TRUE(app.Ask('r'));
-  StartAgent();
-  ASSERT_TRUE(AgentSaid("re-deposit")) << agent_->Stderr();
-  EXPECT_TRUE(opens_pass_through("after-agent-restart"));
-  EXPECT_TRUE(AgentSaid("registered its first backing file")) << "the restarted agent brokered it\n" << agent_->Stderr();
-  // A fresh connection: its server negotiates passthrough again.
-  struct stat st;
-  ASSERT_EQ(stat(target_.c_str(), &st), 0);
-  ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
-  ASSERT_TRUE(second->Wait(std::chrono::milliseconds(20000)).has_value());
-  Subprocess* third = StartServer(socket_, Passthrough());
-  ASSERT_TRUE(view->WaitForReadsOf(want)) << "fresh connection\n" << third->Stderr() << agent_->Stderr();
-  EXPECT_TRUE(opens_pass_through("after-fresh-connection"));
-  EXPECT_TRUE(AgentSaid("registered its first backing file", 2)) << agent_->Stderr();
-  view->Stop();
-  EXPECT_EQ(app.error_count(), 0u) << testing::PrintToString(app.errors());
+  AcrossAServerKillAnAgentRestartAndAFreshConnection();
+}
+
+// The same with the agent as the DaemonSet runs it: in a mount namespace of its own, a new one at
+// each restart (the kubelet dir shared with the node).
+class PassthroughAgentInItsOwnNamespaceTest : public PassthroughE2ETest {
+ protected:
+  PassthroughAgentInItsOwnNamespaceTest() { agent_prefix_ = {"/usr/bin/unshare", "-m", "--propagation", "unchanged"}; }
+};
+
+TEST_F(PassthroughAgentInItsOwnNamespaceTest, PassesThroughAcrossAServerKillAnAgentRestartAndAFreshConnection) {
+  AcrossAServerKillAnAgentRestartAndAFreshConnection();
 }
 
 // A server of our own making (the test, as root) takes the volume, answers FUSE_INIT asking for
