@@ -77,7 +77,7 @@ class PassthroughE2ETest : public FuseE2ETest {
         if (c == 0) return;  // the test ended
       }
     });
-    ASSERT_TRUE(app.WaitForSteps(1)) << testing::PrintToString(app.errors());
+    ASSERT_TRUE(app.WaitForStepsInAll(1)) << testing::PrintToString(app.errors());
     ASSERT_TRUE(AgentSaid("registered its first backing file")) << agent_->Stderr();
     // The server is gone: the open file's reads are the kernel's and its backing file's alone.
     first->Signal(SIGKILL);
@@ -324,7 +324,7 @@ TEST_F(PassthroughE2ETest, WithoutXattrsAWriteNeedsNoServer) {
       if (c == 0) return;
     }
   });
-  ASSERT_TRUE(app.WaitForSteps(1)) << testing::PrintToString(app.errors());
+  ASSERT_TRUE(app.WaitForStepsInAll(1)) << testing::PrintToString(app.errors());
   server->Signal(SIGSTOP);
   const bool wrote = app.Ask('w', std::chrono::seconds(10));
   server->Signal(SIGCONT);

@@ -51,6 +51,13 @@ class PodApp {
     const int64_t want = steps_ + n;
     return cv_.wait_for(lock, kReaderDeadline, [&] { return steps_ >= want || ended_; }) && steps_ >= want;
   }
+  // Blocking: until `total` steps have completed since the app started (false if the deadline
+  // passed first). For an app that makes a fixed number of steps: they may all be done before
+  // the test asks, which WaitForSteps would wait past.
+  bool WaitForStepsInAll(int64_t total) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kReaderDeadline, [&] { return steps_ >= total || ended_; }) && steps_ >= total;
+  }
   // Blocking: sends `command` and waits for its answer ("=ok": true), within `limit`.
   bool Ask(char command, std::chrono::milliseconds limit = kReaderDeadline) {
     std::unique_lock<std::mutex> lock(mu_);
