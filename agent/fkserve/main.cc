@@ -45,12 +45,12 @@ DEFINE_int32(socket_wait_ms, 120000,
              "how long to wait for the handoff socket to appear (or its agent to listen): a server pod "
              "starts before the agent has found its emptyDir");
 DEFINE_string(root, "", "serve: the directory to export");
-DEFINE_bool(passthrough, false,
+DEFINE_bool(passthrough, true,
             "serve: FUSE passthrough for regular files where the kernel offers it (Linux 6.9+): the agent "
             "registers each opened file as a backing file of the connection, and the kernel reads, writes and "
-            "maps it directly; an open the agent refuses is served the ordinary way. Off by default: after a "
-            "restart of this server, a file that stayed open in passthrough makes new opens of it fail (EIO) "
-            "until it is closed (README)");
+            "maps it directly; an open the agent refuses is served the ordinary way. The table of which open "
+            "files use which backing file is deposited with the agent, so a successor of this server shares "
+            "them (README)");
 DEFINE_bool(xattrs, true,
             "serve: extended attributes of the export; off, every xattr call answers ENOSYS, which spares each "
             "passthrough write the kernel's GETXATTR of security.capability (near native write speed)");

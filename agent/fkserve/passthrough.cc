@@ -19,6 +19,7 @@
 #include <optional>
 
 #include "agent/fkserve/backing_client.h"
+#include "agent/fkserve/backing_table.h"
 #include "agent/fkserve/passthrough_fs.h"
 #include "agent/fuse/passthrough_abi.h"
 #include "agent/fkserve/relay/fuse_wire.h"
@@ -33,7 +34,7 @@ Fs* F(fuse_req_t req) { return static_cast<Fs*>(fuse_req_userdata(req)); }
 
 // Passthrough (below, with the session's I/O): an OPEN's or CREATE's backing id from the agent,
 // and its release.
-void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, uint64_t fh);
+void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi);
 void ReleaseBacking(fuse_req_t req, uint64_t fh);
 
 // The inode behind a node id, or an ESTALE reply (a node id no server can resolve any more).
@@ -154,7 +155,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   int fd = open(ProcPath(inode).c_str(), (fi->flags & ~O_NOFOLLOW) | O_CLOEXEC);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
   fi->fh = F(req)->AddFile(fd);
-  MaybePassthrough(req, ino, fd, fi->fh);
+  MaybePassthrough(req, ino, fd, fi);
   fuse_reply_open(req, fi);
 }
 
@@ -170,7 +171,7 @@ void OpCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, 
     return (void)fuse_reply_err(req, err);
   }
   fi->fh = F(req)->AddFile(fd);
-  MaybePassthrough(req, e.ino, fd, fi->fh);
+  MaybePassthrough(req, e.ino, fd, fi);
   fuse_reply_create(req, &e, fi);
 }
 
@@ -347,13 +348,9 @@ struct ReplayIo {
   std::optional<Pending> pending;
   // The kernel takes one backing file per inode: every passthrough open of an inode must name the
   // same one (another: EBUSY; a cached open beside them: EIO). So an inode's first open registers
-  // it, the others share it, and the last release closes it.
-  struct InodeBacking {
-    int32_t id = 0;
-    int opens = 0;
-  };
-  std::map<uint64_t, InodeBacking> backing_by_ino;
-  std::map<uint64_t, uint64_t> passthrough_fh;  // handle → its inode
+  // it, the others share it, and the last release closes it, whichever server opened it
+  // (backing_table.h).
+  BackingTable* table = nullptr;
   bool said_refused = false;
 };
 
@@ -361,24 +358,21 @@ ReplayIo* Io(fuse_req_t req);
 
 void ReleaseBacking(fuse_req_t req, uint64_t fh) {
   ReplayIo* io = Io(req);
-  if (io == nullptr) return;
-  auto it = io->passthrough_fh.find(fh);
-  if (it == io->passthrough_fh.end()) return;
-  auto b = io->backing_by_ino.find(it->second);
-  io->passthrough_fh.erase(it);
-  if (b == io->backing_by_ino.end() || --b->second.opens > 0) return;
-  io->backing->Close(b->second.id);  // the kernel's open files keep their own reference
-  io->backing_by_ino.erase(b);
+  if (io == nullptr || io->table == nullptr) return;
+  // The kernel's open files keep their own reference to the backing file.
+  if (const int32_t id = io->table->Remove(fh)) io->backing->Close(id);
 }
 
-// An OPEN or CREATE of inode `ino` as `fd` (handle `fh`): its backing id, kept for the reply.
-void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, uint64_t fh) {
+// An OPEN or CREATE of inode `ino` as `fd` (handle fi->fh): its backing id, kept for the reply.
+void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi) {
   ReplayIo* io = Io(req);
-  if (io == nullptr || !io->passthrough || io->backing == nullptr) return;
-  if (auto b = io->backing_by_ino.find(ino); b != io->backing_by_ino.end()) {
-    ++b->second.opens;
-    io->pending = ReplayIo::Pending{fh, b->second.id};
-    io->passthrough_fh[fh] = ino;
+  if (io == nullptr || !io->passthrough || io->backing == nullptr || io->table == nullptr) return;
+  const uint64_t fh = fi->fh;
+  if (const int32_t shared = io->table->IdOf(ino)) {
+    // A full table: the kernel allows direct I/O beside the inode's passthrough files (a cached
+    // open would fail).
+    if (!io->table->Add(fh, ino, shared)) return (void)(fi->direct_io = 1);
+    io->pending = ReplayIo::Pending{fh, shared};
     return;
   }
   auto id = io->backing->Open(fd);
@@ -390,9 +384,8 @@ void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, uint64_t fh) {
     }
     return;
   }
+  if (!io->table->Add(fh, ino, *id)) return io->backing->Close(*id);  // full: served the ordinary way
   io->pending = ReplayIo::Pending{fh, *id};
-  io->backing_by_ino[ino] = ReplayIo::InodeBacking{*id, 1};
-  io->passthrough_fh[fh] = ino;
 }
 
 // The INIT request offers FUSE_PASSTHROUGH (in flags, or flags2 when FUSE_INIT_EXT is set).
@@ -550,6 +543,7 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
     return absl::FailedPreconditionError("a live connection needs its recorded FUSE_INIT to be adopted");
   }
   io.backing = options.backing;
+  io.table = options.backing_table;
   io.kernel_offers_passthrough = OffersPassthrough(io.init);
   if (io.backing != nullptr && !io.live && !io.kernel_offers_passthrough) {
     fprintf(stderr, "fkserve: passthrough: the kernel does not offer it (Linux 6.9+, CONFIG_FUSE_PASSTHROUGH)\n");

@@ -18,6 +18,7 @@
 namespace fusekeeper {
 
 class BackingClient;
+class BackingTable;
 
 struct PassthroughOptions {
   std::string root;                     // the directory to export
@@ -37,6 +38,9 @@ struct PassthroughOptions {
   // the kernel offers it, then every OPEN and CREATE asks the agent for a backing id and, given
   // one, the kernel reads, writes and maps the file itself. Null: no passthrough.
   BackingClient* backing = nullptr;
+  // With `backing`: which open handles pass through to which backing id (backing_table.h),
+  // shared with the connection's earlier and later servers. Null: no passthrough.
+  BackingTable* backing_table = nullptr;
   // Extended attributes of the export. Off: every xattr operation answers ENOSYS, which the
   // kernel remembers and then never asks again; that spares each passthrough write the GETXATTR
   // of security.capability the kernel makes before it (file_remove_privs) — 0.84–0.89 of native

@@ -7,11 +7,13 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/backing_client.h"
+#include "agent/fkserve/backing_table.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/signals.h"
@@ -22,6 +24,25 @@ namespace {
 int Fail(int code, const std::string& message) {
   fprintf(stderr, "fkserve: %s\n", message.c_str());
   return code;
+}
+
+// Passthrough's table of open handles (backing_table.h): the one the connection's earlier server
+// deposited with the agent, or a new one. Null (passthrough off) if no memfd can be made.
+std::unique_ptr<BackingTable> PassthroughTable(Handoff* handoff) {
+  if (handoff->relay_state.valid()) {
+    auto adopted = BackingTable::Adopt(std::move(handoff->relay_state));
+    if (adopted.ok()) {
+      fprintf(stderr, "fkserve: passthrough: carrying on from the table of the last server (%zu open handle(s), %zu "
+              "backing file(s))\n", (*adopted)->handles(), (*adopted)->ids());
+      return std::move(*adopted);
+    }
+    fprintf(stderr, "fkserve: passthrough: the state the agent kept is not ours (%s); starting a new table\n",
+            std::string(adopted.status().message()).c_str());
+  }
+  auto table = BackingTable::Create();
+  if (table.ok()) return std::move(*table);
+  fprintf(stderr, "fkserve: passthrough off: %s\n", std::string(table.status().message()).c_str());
+  return nullptr;
 }
 
 }  // namespace
@@ -49,7 +70,16 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
     }
     options.init_request = std::move(*init);
   }
-  ReplyToAgent(sock.get(), true, "", false, handoff.config.live ? "" : options.init_request);
+  // Passthrough's table goes to the agent with the reply (as a relay's state): kept there for the
+  // next server of this connection.
+  BackingClient backing;
+  std::unique_ptr<BackingTable> table = o.passthrough ? PassthroughTable(&handoff) : nullptr;
+  if (table) {
+    options.backing = &backing;
+    options.backing_table = table.get();
+  }
+  ReplyToAgent(sock.get(), true, "", false, handoff.config.live ? "" : options.init_request, false,
+               table ? table->fd() : -1);
   BlockSignals({SIGTERM, SIGINT, SIGHUP});
   // epoll, never the ring: its polls would keep the agent's socket open past a kill -9 (launcher.cc).
   auto loop = Loop::Create({.epoll_only = "fkserve's loop, so that a killed server's sockets close at once"});
@@ -70,10 +100,9 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   // A server pod's server drains: asked to stop, it serves on until the agent's successor waits.
   link.set_drain_ms(handoff.config.drain_ms);
   link.set_on_stop([&](const std::string&) { stop_serving(); });
-  BackingClient backing;
-  if (o.passthrough) {
+  if (table) {
     link.set_backing_client(&backing);
-    options.backing = &backing;
+    link.set_relay_state(UniqueFd(fcntl(table->fd(), F_DUPFD_CLOEXEC, 3)));
   }
   auto signals = SignalWatcher::Create(**loop, {SIGTERM, SIGINT, SIGHUP}, [&](int sig) {
     if (sig == SIGTERM && link.HoldStop()) return;

@@ -16,7 +16,7 @@ namespace fusekeeper {
 
 struct ServeOptions {
   std::string root;         // the directory to export
-  bool passthrough = false;  // PassthroughOptions::backing, brokered by the agent (--passthrough)
+  bool passthrough = true;  // PassthroughOptions::backing, brokered by the agent (--passthrough)
   bool xattrs = true;       // PassthroughOptions::xattrs
   std::string socket_path;  // the handoff socket (for re-deposits)
   uid_t agent_uid = 0;

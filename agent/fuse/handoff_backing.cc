@@ -1,7 +1,9 @@
 // HandoffEndpoint: FUSE passthrough brokered for the serving server (backing_broker.h,
 // handoff_protocol.h). Only the server serving the volume may ask; each open answers with a
-// backing id of the volume's connection or a refusal that says why, and what a server leaves
-// registered when it stops is closed.
+// backing id of the volume's connection or a refusal that says why. The ids are the
+// connection's: what a server leaves registered when it stops is kept for its successor when the
+// server deposited a table of them (fkserve's backing_table.h: the kernel takes one backing file
+// per inode, so a successor must name the ones files still open use), and closed otherwise.
 #include <fcntl.h>
 #include <sys/socket.h>
 
@@ -35,12 +37,14 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
   if (c->backing_in_flight >= options_.max_backing_in_flight) {
     return refuse(absl::StrCat("more than ", options_.max_backing_in_flight, " passthrough requests in flight"));
   }
-  if (req.open && static_cast<int>(c->backing_ids.size()) >= options_.max_backing_ids) {
-    return refuse(absl::StrCat("this server holds ", c->backing_ids.size(), " backing files already (at most ",
-                               options_.max_backing_ids, ")"));
+  if (req.open && static_cast<int>(backing_ids_.size()) >= options_.max_backing_ids) {
+    return refuse(absl::StrCat("this volume's connection holds ", backing_ids_.size(),
+                               " backing files already (at most ", options_.max_backing_ids, ")"));
   }
-  if (!req.open && c->backing_ids.count(req.backing_id) == 0) {
-    return refuse(absl::StrCat("backing id ", req.backing_id, " is not one this server registered"));
+  // (After a re-deposit the ids registered before are unknown here: the kernel says whether an id
+  // is one; either way it is one of this connection's.)
+  if (!req.open && backing_ids_complete_ && backing_ids_.count(req.backing_id) == 0) {
+    return refuse(absl::StrCat("backing id ", req.backing_id, " is not one this volume's servers registered"));
   }
   if (!c->identity) {
     auto who = PeerIdentity(c->fd.get());
@@ -52,10 +56,13 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
   if (req.open) {
     options_.broker->Open(
         fuse_fd_.get(), std::move(fds[0]), *c->identity,
-        [this, self, c, alive = c->alive.token(), id = req.id, who = *c->identity](absl::StatusOr<int32_t> r) {
-          if (!alive.alive()) {
-            // The server went while its file was being registered: nobody will close it.
-            if (r.ok() && fuse_fd_) options_.broker->Close(fuse_fd_.get(), *r, who);
+        [this, self, c, alive = c->alive.token(), id = req.id, who = *c->identity,
+         generation = connection_generation_](absl::StatusOr<int32_t> r) {
+          if (!alive.alive() || generation != connection_generation_) {
+            // The server (or the connection) went while its file was being registered: nobody
+            // will name or close it (an earlier connection's closes with that connection).
+            if (r.ok() && fuse_fd_ && generation == connection_generation_) options_.broker->Close(fuse_fd_.get(), *r, who);
+            if (alive.alive()) --c->backing_in_flight;
             return;
           }
           --c->backing_in_flight;
@@ -64,7 +71,7 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
             LOG(WARNING) << "volume " << config_.volume_id << ": backing file of " << c->Peer() << " refused: " << r.status();
             return ReplyBacking(c, BackingReply{id, 0, std::string(r.status().message())});
           }
-          c->backing_ids.insert(*r);
+          backing_ids_.insert(*r);
           ++backing_opened_;
           if (c->backing_opened++ == 0) {
             LOG(INFO) << "volume " << config_.volume_id << ": passthrough: " << c->Peer() << " registered its first "
@@ -74,7 +81,7 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
         });
     return;
   }
-  c->backing_ids.erase(req.backing_id);
+  backing_ids_.erase(req.backing_id);
   options_.broker->Close(fuse_fd_.get(), req.backing_id, *c->identity,
                          [this, self, c, alive = c->alive.token(), id = req.id](absl::Status s) {
                            if (!alive.alive()) return;
@@ -83,14 +90,23 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
                          });
 }
 
-void HandoffEndpoint::ReleaseBackingIds(Connection* c) {
-  if (c->backing_ids.empty() || options_.broker == nullptr || !c->identity || !fuse_fd_) return;
-  LOG(INFO) << "volume " << config_.volume_id << ": closing the " << c->backing_ids.size()
-            << " backing file(s) its stopped server left registered";
-  for (int32_t id : c->backing_ids) {
-    options_.broker->Close(fuse_fd_.get(), id, *c->identity);
+void HandoffEndpoint::ServerLeftBackingIds(Connection* c) {
+  if (backing_ids_.empty() || !c->identity) return;
+  if (relay_state_.valid()) {
+    LOG(INFO) << "volume " << config_.volume_id << ": keeping the " << backing_ids_.size()
+              << " backing file(s) registered on its connection for the next server (the state its stopped "
+                 "server deposited names them)";
+    return;
   }
-  c->backing_ids.clear();
+  CloseBackingIds(*c->identity, "its stopped server left them registered and deposited no table of them");
+}
+
+void HandoffEndpoint::CloseBackingIds(const ServerIdentity& who, const char* why) {
+  if (backing_ids_.empty() || options_.broker == nullptr || !fuse_fd_) return;
+  LOG(INFO) << "volume " << config_.volume_id << ": closing the " << backing_ids_.size()
+            << " backing file(s) registered on its connection: " << why;
+  for (int32_t id : backing_ids_) options_.broker->Close(fuse_fd_.get(), id, who);
+  backing_ids_.clear();
 }
 
 }  // namespace fusekeeper

@@ -318,6 +318,9 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
   serving_connection_ = nullptr;
   init_record_.clear();
   relay_state_.Reset();  // it describes the connection that is gone
+  backing_ids_.clear();  // the kernel closes them with that connection
+  backing_ids_complete_ = true;
+  ++connection_generation_;
   std::vector<std::unique_ptr<Connection>> waiting = std::move(parked_);
   parked_.clear();
   for (auto& c : waiting) {
@@ -418,6 +421,10 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
     // leaves none for its successor.
     relay_state_.Reset();
     if (reply->relay_state) KeepRelayState(c, fds.size() == 1 && !other_control ? std::move(fds[0]) : UniqueFd());
+    // Backing ids a predecessor left for a successor that keeps no state: nobody can name them.
+    if (!relay_state_.valid() && !backing_ids_.empty()) {
+      if (auto who = PeerIdentity(c->fd.get()); who.ok()) CloseBackingIds(*who, "its successor keeps no table of them");
+    }
     Finish(c, absl::OkStatus(), *reply);
   };
   io_uring_sqe* sqe = loop_.GetSqe();
@@ -488,7 +495,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
             : reply->ok  ? absl::UnavailableError("the FUSE server stopped serving")
                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
     }
-    ReleaseBackingIds(c);
+    if (c == serving_connection_) ServerLeftBackingIds(c);
     c->alive.End();  // a registration still on its way is closed when it comes back
     c->fd.Reset();
     const bool current = c == serving_connection_;

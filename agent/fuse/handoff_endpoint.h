@@ -23,6 +23,7 @@
 
 #include <deque>
 #include <memory>
+#include <set>
 #include <optional>
 #include <string>
 #include <vector>
@@ -186,8 +187,12 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // A passthrough request of the serving server (handoff_backing.cc): answered on its connection.
   void OnBackingRequest(Connection* c, const BackingRequest& req, std::vector<UniqueFd> fds);
   void ReplyBacking(Connection* c, const BackingReply& reply);
-  // The backing ids a server that stopped left registered: closed (open files keep theirs).
-  void ReleaseBackingIds(Connection* c);
+  // The serving server c stopped: the backing ids registered on the connection are kept for its
+  // successor if c deposited a state (fkserve's table of them), else closed (nobody could name
+  // them again; open files keep their own reference).
+  void ServerLeftBackingIds(Connection* c);
+  // Closes every backing id registered on the connection, as `who`.
+  void CloseBackingIds(const ServerIdentity& who, const char* why);
   // Keeps c waiting on standby (at most four: the oldest goes).
   void ToStandby(Connection* c);
   // The serving server c says it drains (asked to stop, it serves on): on_draining, and it is
@@ -246,6 +251,13 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   bool abort_expected_ = false;
   int adoptions_ = 0;
   int64_t backing_opened_ = 0, backing_refused_ = 0;
+  // The backing ids registered on the kept connection, by any of its servers; they outlive a
+  // server whose state (a table naming them) the agent keeps. Not complete after a re-deposit:
+  // what servers registered before the agent restarted is unknown here. The generation changes
+  // with the connection, so a registration that comes back for an earlier one is not counted.
+  std::set<int32_t> backing_ids_;
+  bool backing_ids_complete_ = true;
+  uint64_t connection_generation_ = 0;
   int relieved_ = 0;
   int redeposits_ = 0;
   int connections_ = 0;

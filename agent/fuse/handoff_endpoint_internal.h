@@ -49,10 +49,9 @@ struct HandoffEndpoint::Connection {
   std::string tag;  // the listener it came through (AddListener); empty: the main one
   bool draining = false;  // serving, asked to stop, waiting for a successor (MountConfig::drain_ms)
   bool relieved = false;  // told to stop
-  // Passthrough (handoff_backing.cc): who the server is, the backing ids it holds, its requests
-  // in flight; `alive` guards the broker's answers, which may come after the connection ended.
+  // Passthrough (handoff_backing.cc): who the server is, its requests in flight; `alive` guards
+  // the broker's answers, which may come after the connection ended.
   std::optional<ServerIdentity> identity;
-  std::set<int32_t> backing_ids;
   int backing_in_flight = 0;
   int64_t backing_opened = 0;
   Aliveness alive;

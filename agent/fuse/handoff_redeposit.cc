@@ -79,6 +79,9 @@ void HandoffEndpoint::AwaitRedeposit(Connection* c) {
     if (!why.empty()) return SendOffer(c, /*refuse=*/true, why);
     fuse_fd_ = std::move(fds[0]);
     relay_state_.Reset();
+    backing_ids_.clear();
+    backing_ids_complete_ = false;  // registered before this agent started: unknown here
+    ++connection_generation_;
     if (reply->relay_state) KeepRelayState(c, std::move(fds[1]));
     policy_.Redeposited();
     ++redeposits_;

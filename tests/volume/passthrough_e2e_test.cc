@@ -95,6 +95,15 @@ class PassthroughE2ETest : public FuseE2ETest {
              ReadFile(export_ + "/" + name) == name;
     };
     EXPECT_TRUE(opens_pass_through("after-adoption"));
+    // The app's file, opened through the first server, is opened again: the kernel takes one
+    // backing file per inode, so the second server must name the first one's (the agent kept it,
+    // and the table of them the first server deposited).
+    auto reopens_kept = [&] {
+      UniqueFd g(open((target_ + "/kept.txt").c_str(), O_RDWR | O_CLOEXEC));
+      char buf[12] = {};
+      return g && pread(g.get(), buf, sizeof(buf), 0) == 12 && std::string(buf, 12) == "beforeduring";
+    };
+    EXPECT_TRUE(reopens_kept()) << "a file a dead server passed through opens again: " << strerror(errno) << second->Stderr();
     // An agent restart: the open file reads on, the server re-deposits, opens pass through.
     agent_->Signal(SIGKILL);
     ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
@@ -102,6 +111,7 @@ class PassthroughE2ETest : public FuseE2ETest {
     StartAgent();
     ASSERT_TRUE(AgentSaid("re-deposit")) << agent_->Stderr();
     EXPECT_TRUE(opens_pass_through("after-agent-restart"));
+    EXPECT_TRUE(reopens_kept()) << "after the agent's restart: " << strerror(errno);
     EXPECT_TRUE(AgentSaid("registered its first backing file")) << "the restarted agent brokered it\n" << agent_->Stderr();
     // A fresh connection: its server negotiates passthrough again.
     struct stat st;
@@ -273,7 +283,7 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
     EXPECT_TRUE(absl::StrContains(r.error, k.says)) << k.what << ": " << r.error;
   }
   // An id this server never registered (another connection's, or made up).
-  EXPECT_TRUE(absl::StrContains(ask(false, -1, 7).error, "not one this server registered"));
+  EXPECT_TRUE(absl::StrContains(ask(false, -1, 7).error, "not one this volume's servers registered"));
   // A proper file: an id, which closes once and then is no longer ours.
   { std::ofstream(export_ + "/mine.txt") << "mine"; }
   UniqueFd mine(open((export_ + "/mine.txt").c_str(), O_RDWR | O_CLOEXEC));
@@ -281,7 +291,7 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   EXPECT_TRUE(ok.error.empty()) << ok.error;
   EXPECT_GT(ok.backing_id, 0);
   EXPECT_TRUE(ask(false, -1, ok.backing_id).error.empty());
-  EXPECT_TRUE(absl::StrContains(ask(false, -1, ok.backing_id).error, "not one this server registered"));
+  EXPECT_TRUE(absl::StrContains(ask(false, -1, ok.backing_id).error, "not one this volume's servers registered"));
   // A flood: ids up to the limit, then a refusal saying so; closing one makes room again.
   std::vector<int32_t> ids;
   BackingReply flood;
@@ -291,10 +301,11 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   EXPECT_TRUE(ask(false, -1, ids.back()).error.empty());
   ids.pop_back();
   EXPECT_TRUE(ask(true, mine.get()).error.empty()) << "room for one again";
-  // What is left registered when the server goes (4096 ids): the agent closes it.
+  // What is left registered when the server goes (4096 ids) with no table of them deposited: the
+  // agent closes it.
   EXPECT_EQ(fd_count(), fds_before) << "every fd the agent received is closed";
   sock->Reset();
-  EXPECT_TRUE(AgentSaid("closing the 4096 backing file(s) its stopped server left registered")) << agent_->Stderr();
+  EXPECT_TRUE(AgentSaid("closing the 4096 backing file(s) registered on its connection: its stopped server left them")) << agent_->Stderr();
   // The connection, which this server never served: aborted, so the mount's end waits for nothing.
   auto connection = FuseConnectionOfFd(handoff->fuse.get());
   ASSERT_TRUE(connection.ok() && connection->has_value());
