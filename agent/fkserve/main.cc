@@ -31,6 +31,7 @@
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/handoff_client.h"
 #include "agent/fkserve/launcher.h"
+#include "agent/fkserve/relay/relay_state.h"
 #include "agent/fkserve/stop_signals.h"
 #include "agent/fkserve/tools.h"
 #include "agent/fkserve/serve.h"
@@ -244,7 +245,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<fusekeeper::Handoff> handoff =
       fusekeeper::ReceiveHandoffBlocking(sock->get(), cmd.mode, [&](const fusekeeper::Handoff& h) {
         return (cmd.mode == "serve" && !h.config.init.empty()) ||
-               (cmd.mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid());
+               (cmd.mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid() &&
+                fusekeeper::relay::StateJournal::LooksLikeOne(h.relay_state.get()));
       });
   if (!handoff.ok()) return Fail(4, std::string(handoff.status().message()));
   fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", handoff->config.volume_id.c_str(), cmd.mode.c_str(),

@@ -130,6 +130,11 @@ bool StateJournal::WriteHeader(uint64_t start) {
   return PwriteAll(fd_.get(), header, sizeof(header), 0);
 }
 
+bool StateJournal::LooksLikeOne(int fd) {
+  char magic[8];
+  return pread(fd, magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) && memcmp(magic, kMagic, 8) == 0;
+}
+
 absl::StatusOr<SavedState> StateJournal::Parse(absl::string_view file, uint64_t* end) {
   auto bad = [](const std::string& why) { return absl::InvalidArgumentError(absl::StrCat("relay state: ", why)); };
   if (file.size() < 16 || memcmp(file.data(), kMagic, 8) != 0) return bad("not a relay state journal");

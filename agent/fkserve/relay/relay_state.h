@@ -87,6 +87,9 @@ class StateJournal {
   // appending after it. INVALID_ARGUMENT (with what is wrong) if it is not a journal or its
   // records do not make sense; the fd is then not taken over.
   static absl::StatusOr<std::unique_ptr<StateJournal>> Open(UniqueFd fd, SavedState* state);
+  // Whether `fd` starts like a journal (the agent keeps other servers' states too, e.g. fkserve
+  // serve's passthrough table: a launcher that finds one asks for a fresh connection).
+  static bool LooksLikeOne(int fd);
   // Parses a journal's bytes (the whole file). For Open and the fuzzer.
   static absl::StatusOr<SavedState> Parse(absl::string_view file, uint64_t* end);
 
