@@ -17,7 +17,9 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
+#include <linux/capability.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,6 +28,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "agent/base/fd_passing.h"
 #include "agent/fkserve/backing_client.h"
+#include "agent/fkserve/backing_table.h"
 #include "agent/fkserve/passthrough.h"
 #include "agent/fuse/fuse_mount.h"
 #include "agent/fuse/handoff_protocol.h"
@@ -91,15 +95,25 @@ class Served {
     if (child_ == 0) {
       auto init = ReadInitRequest(fuse_.get(), 10000);
       if (!init.ok()) _exit(3);
+      // As a sidecar's server runs: without CAP_FSETID (it may then say it handles dropping
+      // privileges, and the kernel stops asking it before each write: passthrough.cc).
+      __user_cap_header_struct ch{_LINUX_CAPABILITY_VERSION_3, 0};
+      __user_cap_data_struct cd[2]{};
+      if (syscall(SYS_capget, &ch, cd) != 0) _exit(3);
+      cd[CAP_FSETID / 32].effective &= ~(1u << (CAP_FSETID % 32));
+      if (syscall(SYS_capset, &ch, cd) != 0) _exit(3);
       PassthroughOptions o;
       o.root = root;
       o.init_request = *init;
       o.xattrs = xattrs;
       BackingClient client;
       std::thread replies;
+      auto table = BackingTable::Create();
+      if (!table.ok()) _exit(3);
       if (passthrough) {
         client.SetSocket(UniqueFd(dup(theirs.get())));
         o.backing = &client;
+        o.backing_table = table->get();
         replies = std::thread([&] {
           char buf[4096];
           for (ssize_t n; (n = recv(theirs.get(), buf, sizeof(buf), 0)) > 0;) {
@@ -186,8 +200,10 @@ void BM_PassthroughVsNative(benchmark::State& state) {
   const std::string dir = tmpl, root = dir + "/root";
   mkdir(root.c_str(), 0755);
   CHECK_EQ(mount("tmpfs", root.c_str(), "tmpfs", 0, "size=1g"), 0);
-  Served passthrough(root, dir + "/pt", true), no_xattrs(root, dir + "/pt-nx", true, false),
-      plain(root, dir + "/plain", false);
+  std::vector<std::unique_ptr<Served>> served;  // unmounted before the directory goes
+  served.push_back(std::make_unique<Served>(root, dir + "/pt", true));
+  served.push_back(std::make_unique<Served>(root, dir + "/pt-nx", true, false));
+  served.push_back(std::make_unique<Served>(root, dir + "/plain", false));
   const std::vector<std::pair<std::string, std::string>> ways = {
       {"native", root}, {"passthrough", dir + "/pt"}, {"passthrough_noxattrs", dir + "/pt-nx"}, {"plain", dir + "/plain"}};
   const std::vector<std::pair<std::string, std::function<void(const std::string&)>>> ops = {
@@ -217,6 +233,7 @@ void BM_PassthroughVsNative(benchmark::State& state) {
     std::sort(r.begin(), r.end());
     state.counters[name] = r[r.size() / 2];
   }
+  served.clear();
   umount2(root.c_str(), MNT_DETACH);
   std::system(("rm -rf " + dir).c_str());
 }

@@ -1,6 +1,9 @@
 #define FUSE_USE_VERSION 35
 #include "agent/fkserve/passthrough.h"
 
+#include <linux/capability.h>
+#include <sys/syscall.h>
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -340,6 +343,8 @@ struct ReplayIo {
   // the write of its reply follow each other, so the backing id waits here for that reply.
   BackingClient* backing = nullptr;
   bool kernel_offers_passthrough = false;
+  // FUSE_HANDLE_KILLPRIV_V2 said in our INIT reply (KillPrivIsTheExports).
+  bool killpriv = false;
   bool passthrough = false;  // offered in our INIT reply (or, adopted, taken on trust: the agent checks)
   struct Pending {
     uint64_t fh = 0;
@@ -388,14 +393,40 @@ void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi
   io->pending = ReplayIo::Pending{fh, *id};
 }
 
-// The INIT request offers FUSE_PASSTHROUGH (in flags, or flags2 when FUSE_INIT_EXT is set).
-bool OffersPassthrough(const std::string& init) {
+// The INIT request offers `flag` (in flags, or flags2 when FUSE_INIT_EXT is set).
+bool InitOffers(const std::string& init, uint64_t flag) {
   if (init.size() < sizeof(fuse_in_header) + sizeof(fuse_init_in)) return false;
   fuse_init_in in;
   memcpy(&in, init.data() + sizeof(fuse_in_header), sizeof(in));
   uint64_t flags = in.flags;
   if (flags & FUSE_INIT_EXT) flags |= uint64_t{in.flags2} << 32;
-  return (flags & kInitFusePassthrough) != 0;
+  return (flags & flag) != 0;
+}
+
+// Whether this server may tell the kernel it handles dropping privileges (FUSE_HANDLE_KILLPRIV_V2:
+// suid and sgid bits and security.capability, on write, truncate and chown). The kernel then
+// marks the mount SB_NOSEC and stops asking the server for security.capability before every
+// write (file_remove_privs: a GETXATTR per write otherwise, the cost that kept passthrough
+// writes under 0.9 of native). It may when the export's own file system does it for every such
+// change this server makes, which it does for a process without CAP_FSETID (should_remove_suid);
+// the kernel's passthrough writes run as the identity the agent registered the backing file
+// with, which has no capability but CAP_SYS_ADMIN, so they drop privileges there too.
+bool KillPrivIsTheExports() {
+  __user_cap_header_struct h{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct d[2]{};
+  if (syscall(SYS_capget, &h, d) != 0) return false;
+  return (d[CAP_FSETID / 32].effective & (1u << (CAP_FSETID % 32))) == 0;
+}
+
+// Our INIT reply, in `msg`: says FUSE_HANDLE_KILLPRIV_V2. False if it is too short.
+bool HandleKillPrivInReply(std::string* msg) {
+  constexpr size_t kBody = sizeof(fuse_out_header);
+  if (msg->size() < kBody + sizeof(fuse_init_out)) return false;
+  fuse_init_out out;
+  memcpy(&out, msg->data() + kBody, sizeof(out));
+  out.flags |= FUSE_HANDLE_KILLPRIV_V2;
+  memcpy(msg->data() + kBody, &out, sizeof(out));
+  return true;
 }
 
 // Our INIT reply, in `msg`: says FUSE_PASSTHROUGH with a stack depth. False if it cannot (short,
@@ -488,6 +519,10 @@ ssize_t IoWritev(int fd, iovec* iov, int count, void* userdata) {
                               : "not asked for (writeback caching is on)");
       if (!io->passthrough) msg.clear();
     }
+    if (io->killpriv && h->error == 0) {
+      if (msg.empty()) msg = Gather(iov, count);
+      if (!HandleKillPrivInReply(&msg)) msg.clear();
+    }
   } else if (io->pending) {
     // The session is one thread: the reply after an OPEN's or CREATE's handler is that one's.
     if (h->error == 0) {
@@ -544,7 +579,8 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
   }
   io.backing = options.backing;
   io.table = options.backing_table;
-  io.kernel_offers_passthrough = OffersPassthrough(io.init);
+  io.kernel_offers_passthrough = InitOffers(io.init, kInitFusePassthrough);
+  io.killpriv = options.xattrs && InitOffers(io.init, FUSE_HANDLE_KILLPRIV_V2) && KillPrivIsTheExports();
   if (io.backing != nullptr && !io.live && !io.kernel_offers_passthrough) {
     fprintf(stderr, "fkserve: passthrough: the kernel does not offer it (Linux 6.9+, CONFIG_FUSE_PASSTHROUGH)\n");
   }

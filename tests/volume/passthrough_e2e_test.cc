@@ -312,6 +312,59 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   EXPECT_TRUE(AbortFuseConnectionBlocking(**connection).ok());
 }
 
+// With extended attributes, an unprivileged server tells the kernel it handles dropping
+// privileges (FUSE_HANDLE_KILLPRIV_V2; the export's file system does it for each write it
+// makes): a write through the mount drops a setuid bit, passed through or not, and once the
+// kernel knows the file has no privileges to drop, a passthrough write asks the server nothing.
+class KillPrivTest : public PassthroughE2ETest, public testing::WithParamInterface<bool> {};
+
+TEST_P(KillPrivTest, AWriteDropsSetuidAndThenNeedsNoServer) {
+  const bool passthrough = GetParam();
+  Subprocess* server = StartServer(socket_, {"serve", "--root=" + export_, passthrough ? "--passthrough" : "--passthrough=false"});
+  const std::string want = "hello from the export\n";
+  auto view = PodReader(target_, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << server->Stderr() << agent_->Stderr();
+  const std::string suid = export_ + "/suid.bin";
+  { std::ofstream(suid) << "#!/bin/true\n"; }
+  ASSERT_EQ(chown(suid.c_str(), kServerUid, kServerUid), 0);
+  ASSERT_EQ(chmod(suid.c_str(), 04777), 0);
+  fs::create_directories(root_.path() + "/views/app");
+  // A pod's user that is not the file's owner.
+  PodApp app(target_, root_.path() + "/views/app", 4242, [](const std::string& view_dir, int out) {
+    const int fd = open((view_dir + "/suid.bin").c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return PodApp::Report(out, PodApp::Err("open suid.bin"));
+    PodApp::Report(out, "+");
+    for (off_t at = 0;; at += 1) {
+      pollfd p{out, POLLIN, 0};
+      if (poll(&p, 1, -1) < 0) continue;
+      const char c = PodApp::NextCommand(out);
+      if (c == 'w') PodApp::Report(out, pwrite(fd, "x", 1, at) == 1 ? "=ok" : "=failed");
+      if (c == 0) return;
+    }
+  });
+  ASSERT_TRUE(app.WaitForStepsInAll(1)) << testing::PrintToString(app.errors());
+  ASSERT_TRUE(app.Ask('w')) << server->Stderr();
+  struct stat st;
+  ASSERT_EQ(stat(suid.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0777u) << "the setuid bit was dropped by the write";
+  ASSERT_TRUE(app.Ask('w')) << server->Stderr();  // the kernel learns there is nothing to drop
+  if (passthrough) {
+    server->Signal(SIGSTOP);
+    const bool wrote = app.Ask('w', std::chrono::seconds(10));
+    server->Signal(SIGCONT);
+    EXPECT_TRUE(wrote) << "a passthrough write waited for the stopped server";
+    EXPECT_EQ(ReadFile(suid).substr(0, 3), "xxx");
+  }
+  // Extended attributes still work.
+  ASSERT_EQ(setxattr((target_ + "/hello.txt").c_str(), "user.k", "v", 1, 0), 0) << strerror(errno);
+  char value[4] = {};
+  EXPECT_EQ(getxattr((target_ + "/hello.txt").c_str(), "user.k", value, sizeof(value)), 1);
+  view->Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(PassedThroughOrNot, KillPrivTest, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& i) { return i.param ? "passthrough" : "plain"; });
+
 // `fkserve serve --xattrs=false`: no extended attributes (the kernel is told ENOSYS once and asks
 // no more), so a passthrough write needs no server at all; with them, getxattr works.
 TEST_F(PassthroughE2ETest, WithoutXattrsAWriteNeedsNoServer) {
