@@ -58,7 +58,9 @@
 // and carries the memfd as the last SCM_RIGHTS fd. The agent keeps it beside the kept connection
 // (never reading it) and offers it to the next server of the same connection: a live config with
 // "relay_state":true carries it as a second fd after the connection. A server that cannot use it
-// closes it. A fresh connection drops it.
+// closes it. A fresh connection drops it. `fkserve serve` deposits its passthrough table the same
+// way (agent/fkserve/backing_table.h): the backing ids a server registered outlive it when it
+// deposited one, so that its successor can name them.
 //
 //   server → agent  {"version":1,"ok":true,"server":"...","relayed":true,"relay_state":true}
 //                                                                   + SCM_RIGHTS [state memfd]
