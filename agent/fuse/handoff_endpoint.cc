@@ -238,6 +238,16 @@ void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
   Route(c);
 }
 
+namespace {
+
+// Whether the peer of socket `fd` has closed it. Never waits.
+bool HungUp(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+}
+
+}  // namespace
+
 void HandoffEndpoint::Route(Connection* c) {
   const std::optional<std::string> serving_tag =
       serving_connection_ != nullptr ? std::optional<std::string>(serving_connection_->tag) : std::nullopt;
@@ -248,6 +258,15 @@ void HandoffEndpoint::Route(Connection* c) {
                 << " waits on standby until the serving server stops";
       return ToStandby(c);
     case HandoffPolicy::Route::kRefuse:
+      if (HungUp(serving_connection_->fd.get())) {
+        // The serving server is gone, but the ring has not told of its end yet (its receive was
+        // re-armed after its last message and comes in a later turn than this arrival): this one
+        // is routed once that end has been handled, not refused as a second server.
+        LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
+                  << " arrived before the end of the server it succeeds was handled; it waits for it";
+        awaiting_end_.push_back(TakeConnection(c));
+        return;
+      }
       return SendOffer(c, /*refuse=*/true, absl::StrCat("volume ", config_.volume_id, " is already being served"));
     case HandoffPolicy::Route::kAdmit:
       return Admit(c);
@@ -512,9 +531,21 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       if (events_.on_server_gone) events_.on_server_gone(why);
       PromoteStandby();
     }
+    if (current) RouteAwaitingEnd();
     ReleaseLater(std::move(doomed));
   };
   ArmServerReceive(c);
+}
+
+void HandoffEndpoint::RouteAwaitingEnd() {
+  std::vector<std::unique_ptr<Connection>> waiting = std::move(awaiting_end_);
+  awaiting_end_.clear();
+  if (policy_.stopped()) return;  // they close with their sockets
+  for (auto& c : waiting) {
+    Connection* raw = c.get();
+    connections_in_flight_.push_back(std::move(c));
+    Route(raw);
+  }
 }
 
 void HandoffEndpoint::ArmServerReceive(Connection* c) {

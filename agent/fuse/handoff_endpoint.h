@@ -182,6 +182,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // A server whose uid has been checked: on standby (a server pod's, while another pod's serves),
   // refused (while one serves), or admitted.
   void Route(Connection* c);
+  // Routes the servers that arrived while the serving one's end was on its way (Route).
+  void RouteAwaitingEnd();
   // What to do with a server nobody else serves before: offer, park, or wait for a re-deposit.
   void Admit(Connection* c);
   // A passthrough request of the serving server (handoff_backing.cc): answered on its connection.
@@ -243,6 +245,7 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   Timer standby_fallback_;  // a server on standby gets a fresh connection if nobody re-deposits
   UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
   std::vector<std::unique_ptr<Connection>> parked_;  // servers waiting for a fresh connection
+  std::vector<std::unique_ptr<Connection>> awaiting_end_;  // servers waiting for the serving one's end
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;
   Connection* serving_connection_ = nullptr;  // the current server's (watched) connection
   std::shared_ptr<HandoffEndpoint> keep_alive_;
