@@ -146,9 +146,15 @@ BackingBroker::Worker& BackingBroker::WorkerFor(const ServerIdentity& who) {
 
 void BackingBroker::Open(int conn, UniqueFd file, const ServerIdentity& who,
                          absl::AnyInvocable<void(absl::StatusOr<int32_t>)> done) {
-  if (absl::Status s = CheckBackingFile(file.get()); !s.ok()) return done(s);
+  if (absl::Status s = CheckBackingFile(file.get()); !s.ok()) {
+    ++stats_->refused;
+    return done(s);
+  }
   UniqueFd dup(fcntl(conn, F_DUPFD_CLOEXEC, 3));
-  if (!dup) return done(ErrnoStatus(errno, "dup of the connection"));
+  if (!dup) {
+    ++stats_->refused;
+    return done(ErrnoStatus(errno, "dup of the connection"));
+  }
   WorkerFor(who).Submit([this, conn = std::move(dup), file = std::move(file),
                          done = std::move(done)](const absl::Status& became) mutable {
     // (A StatusOr cannot hold an OK status: the thread's failure to become the identity, else
@@ -174,13 +180,19 @@ void BackingBroker::Open(int conn, UniqueFd file, const ServerIdentity& who,
     }
     conn.Reset();
     file.Reset();
-    loop_.Post([done = std::move(done), result = std::move(result)]() mutable { done(std::move(result)); });
+    loop_.Post([stats = stats_, done = std::move(done), result = std::move(result)]() mutable {
+      ++(result.ok() ? stats->registered : stats->refused);
+      done(std::move(result));
+    });
   });
 }
 
 void BackingBroker::Close(int conn, int32_t id, const ServerIdentity& who, absl::AnyInvocable<void(absl::Status)> done) {
   UniqueFd dup(fcntl(conn, F_DUPFD_CLOEXEC, 3));
-  if (!dup) return done(ErrnoStatus(errno, "dup of the connection"));
+  if (!dup) {
+    if (done) done(ErrnoStatus(errno, "dup of the connection"));
+    return;
+  }
   WorkerFor(who).Submit([this, conn = std::move(dup), id, done = std::move(done)](const absl::Status& became) mutable {
     absl::Status result = became;
     uint32_t backing = static_cast<uint32_t>(id);
@@ -188,7 +200,10 @@ void BackingBroker::Close(int conn, int32_t id, const ServerIdentity& who, absl:
       result = ErrnoStatus(errno, "FUSE_DEV_IOC_BACKING_CLOSE");
     }
     conn.Reset();
-    if (done) loop_.Post([done = std::move(done), result = std::move(result)]() mutable { done(std::move(result)); });
+    loop_.Post([stats = stats_, done = std::move(done), result = std::move(result)]() mutable {
+      if (result.ok()) ++stats->closed;
+      if (done) done(std::move(result));
+    });
   });
 }
 

@@ -62,11 +62,20 @@ class BackingBroker {
   // null.
   void Close(int conn, int32_t id, const ServerIdentity& who, absl::AnyInvocable<void(absl::Status)> done = nullptr);
 
+  // Since start, on the loop thread: files registered, registrations refused (checks or the
+  // kernel), and ids closed.
+  struct Stats {
+    int64_t registered = 0, refused = 0, closed = 0;
+  };
+  const Stats& stats() const { return *stats_; }
+
  private:
   class Worker;
   Worker& WorkerFor(const ServerIdentity& who);
 
   Loop& loop_;
+  // (Before the workers, which use it until they are joined; posted callbacks may outlive both.)
+  std::shared_ptr<Stats> stats_ = std::make_shared<Stats>();
   std::map<ServerIdentity, std::unique_ptr<Worker>> workers_;
 };
 

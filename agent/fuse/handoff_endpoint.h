@@ -164,6 +164,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // Passthrough backing files registered for its servers, and requests refused.
   int64_t backing_opened() const { return backing_opened_; }
   int64_t backing_refused() const { return backing_refused_; }
+  // Backing ids registered on the kept connection that this agent knows of.
+  size_t backing_files_held() const { return backing_ids_.size(); }
 
  private:
   struct Connection;

@@ -25,6 +25,10 @@ Telemetry::Telemetry() {
            "FUSE connections aborted because the server that took them did not answer within --init_timeout_ms");
   m.Define("fusekeeper_fuse_tuning_total", T::kCounter,
            "per-volume FUSE tuning (readAheadKb, maxBackground, congestionThreshold) written to a connection, by outcome");
+  m.Define("fusekeeper_passthrough_backing_files", T::kGauge,
+           "FUSE passthrough backing files registered on serving connections (as far as this agent knows)");
+  m.Define("fusekeeper_passthrough_backing_files_total", T::kCounter,
+           "FUSE passthrough backing files registered for servers, refused (checks or the kernel) and closed, by outcome");
   m.Define("fusekeeper_pods_unreachable_by_recovery", T::kGauge,
            "pods mounting one of our volumes in a container without mountPropagation HostToContainer");
   m.Define("fusekeeper_repairs_in_progress", T::kGauge, "volumes being repaired right now");
@@ -74,6 +78,13 @@ void Telemetry::Watch(const VolumeManager* volumes) {
           static_cast<double>(counts.fuse_tunings_applied));
     m.Set("fusekeeper_fuse_tuning_total", Metrics::Label("outcome", "failed"),
           static_cast<double>(counts.fuse_tunings_failed));
+    m.Set("fusekeeper_passthrough_backing_files", "", static_cast<double>(counts.passthrough_held));
+    m.Set("fusekeeper_passthrough_backing_files_total", Metrics::Label("outcome", "registered"),
+          static_cast<double>(counts.passthrough_registered));
+    m.Set("fusekeeper_passthrough_backing_files_total", Metrics::Label("outcome", "refused"),
+          static_cast<double>(counts.passthrough_refused));
+    m.Set("fusekeeper_passthrough_backing_files_total", Metrics::Label("outcome", "closed"),
+          static_cast<double>(counts.passthrough_closed));
   });
 }
 

@@ -391,6 +391,7 @@ void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
   } else if (ep->endpoint->serving()) {
     state = "serving";
     if (ep->relayed) ++c->relayed;
+    c->passthrough_held += static_cast<int64_t>(ep->endpoint->backing_files_held());
   } else if (ep->endpoint->awaiting_redeposit()) {
     state = "awaiting_redeposit";  // mounted before an agent restart; its server has not re-deposited
   } else if (ep->endpoint->served()) {
@@ -406,6 +407,9 @@ void FuseKind::CountKind(VolumeCounts* c) const {
   c->servers_not_answering += servers_not_answering_;
   c->fuse_tunings_applied += tunings_applied_;
   c->fuse_tunings_failed += tunings_failed_;
+  c->passthrough_registered += broker_.stats().registered;
+  c->passthrough_refused += broker_.stats().refused;
+  c->passthrough_closed += broker_.stats().closed;
 }
 
 }  // namespace fusekeeper

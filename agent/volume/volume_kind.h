@@ -122,6 +122,10 @@ struct VolumeCounts {
   // Since start: per-volume FUSE tuning written to a connection, or refused by the kernel.
   int64_t fuse_tunings_applied = 0;
   int64_t fuse_tunings_failed = 0;
+  // FUSE passthrough (agent/fuse/backing_broker.h): backing files held on serving connections now,
+  // and since start registered, refused and closed.
+  int64_t passthrough_held = 0;
+  int64_t passthrough_registered = 0, passthrough_refused = 0, passthrough_closed = 0;
 };
 
 class VolumeKind {

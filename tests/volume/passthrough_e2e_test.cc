@@ -35,7 +35,7 @@ class PassthroughE2ETest : public FuseE2ETest {
   void SetUp() override {
     FuseE2ETest::SetUp();
     if (IsSkipped()) return;
-    StartAgent();
+    StartAgent({"--metrics_address=127.0.0.1:0"});
     target_ = Pod("pod-p", "pt-1");
     ASSERT_RPC_OK(PublishInline("pt-1", "pod-p", target_));
     socket_ = PodSocket("pod-p");
@@ -301,6 +301,20 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
   EXPECT_TRUE(ask(false, -1, ids.back()).error.empty());
   ids.pop_back();
   EXPECT_TRUE(ask(true, mine.get()).error.empty()) << "room for one again";
+  // The metrics say so: what the broker registered (4098), refused (the four files above) and
+  // closed (2), and the 4096 ids the connection holds.
+  {
+    const std::string log = agent_->Stderr();
+    const size_t at = log.find("(port ");
+    ASSERT_NE(at, std::string::npos) << log;
+    const std::string metrics = HttpGet(std::stoi(log.substr(at + 6)), "/metrics");
+    for (const char* line : {"fusekeeper_passthrough_backing_files_total{outcome=\"registered\"} 4098",
+                             "fusekeeper_passthrough_backing_files_total{outcome=\"refused\"} 4",
+                             "fusekeeper_passthrough_backing_files_total{outcome=\"closed\"} 2",
+                             "fusekeeper_passthrough_backing_files 4096"}) {
+      EXPECT_TRUE(absl::StrContains(metrics, line)) << line << "\n" << metrics;
+    }
+  }
   // What is left registered when the server goes (4096 ids) with no table of them deposited: the
   // agent closes it.
   EXPECT_EQ(fd_count(), fds_before) << "every fd the agent received is closed";
