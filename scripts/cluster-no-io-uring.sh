@@ -13,16 +13,12 @@
 # Last line: "cluster-no-io-uring: OK ..." or "cluster-no-io-uring: FAILED: ...".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-K8S=${K8S_HOME:-/opt/k8s}
-KIT=${KIT:-../shared/k8s-cluster}
-export KUBECONFIG=$K8S/admin.kubeconfig
-PATH=$K8S/bin:$PATH
+NAME=cluster-no-io-uring
 KILLS=${KILLS:-10}
 LAUNCHER_KILLS=${LAUNCHER_KILLS:-2}
 POD=fk-no-io-uring
 IMG=fusekeeper/fkserve-bindfs:test
-fail() { echo "cluster-no-io-uring: FAILED: $*"; exit 1; }
-k() { kubectl "$@"; }
+. scripts/cluster-common.sh
 
 [ -x "$K8S/deploy/bin/fkserve" ] || fail "no $K8S/deploy/bin/fkserve: run $KIT/deploy.sh first"
 [ -f /var/lib/kubelet/seccomp/profiles/fusekeeper-no-io-uring.json ] || fail "no seccomp profile: run $KIT/deploy.sh"
@@ -75,29 +71,7 @@ spec:
         seccompProfile: {type: Localhost, localhostProfile: profiles/fusekeeper-no-io-uring.json}
       volumeMounts: [{name: fk, mountPath: /fk}, {name: export, mountPath: /export}]
   containers:
-    - name: app
-      image: busybox:1.36
-      securityContext: {runAsUser: 65534, runAsGroup: 65534}
-      command:
-        - sh
-        - -c
-        - |
-          trap 'exit 0' TERM
-          echo hello > /data/held.txt || echo "ERROR create"
-          # the log is held open for the pod's life: every append goes through the handle opened
-          # before the kills
-          exec 4>>/data/log.txt || echo "ERROR open"
-          i=0
-          while true; do
-            i=\$((i+1))
-            got=\$(cat /data/held.txt) || echo "ERROR read \$i"
-            [ "\$got" = hello ] || echo "ERROR content \$i: '\$got'"
-            echo "line \$i" >&4 && echo "appended \$i" || echo "ERROR append \$i"
-            n=\$(wc -l < /data/log.txt) || echo "ERROR count \$i"
-            [ "\$n" = "\$i" ] || echo "ERROR lines \$i: \$n"
-            sleep 0.1
-          done
-      volumeMounts: [{name: data, mountPath: /data, mountPropagation: HostToContainer}]
+$(app_container "")
   volumes:
     - name: fk
       emptyDir: {}
@@ -108,17 +82,7 @@ spec:
         driver: fusekeeper.csi
         volumeAttributes: {kind: fuse, serverUid: "65534", socketVolume: fk}
 YAML
-for _ in $(seq 120); do
-  [ "$(k get pod $POD -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ] && break
-  sleep 1
-done
-[ "$(k get pod $POD -o jsonpath='{.status.phase}')" = Running ] || { k describe pod $POD | tail -20; fail "pod not Running"; }
-appended() { k logs $POD -c app 2>/dev/null | grep -c '^appended'; }
-wait_appended() {  # wait_appended N: until the app has appended N more lines (60 s)
-  local want=$(( $(appended) + $1 ))
-  for _ in $(seq 600); do [ "$(appended)" -ge $want ] && return 0; sleep 0.1; done
-  return 1
-}
+wait_running
 wait_appended 5 || { k logs $POD -c fuse-server | tail; k logs $POD -c app | tail; fail "the app does not work"; }
 for i in $(seq "$KILLS"); do
   k exec $POD -c fuse-server -- sh -c 'kill -9 $(pidof bindfs)' || fail "kill $i"
@@ -130,14 +94,7 @@ restarts=$(echo "$FIRST" | grep -c "restart(s) so far")
 in_program=$(echo "$FIRST" | grep -c "reads the kernel's connection itself")
 echo "$FIRST" | grep -q "waiting with epoll" || fail "the launcher did not say it waits with epoll"
 for i in $(seq "$LAUNCHER_KILLS"); do
-  before=$(k get pod $POD -o jsonpath='{.status.initContainerStatuses[0].restartCount}')
-  pid=$(pgrep -f 'fkserve --socket=/fk/fusekeeper.sock' | head -1)
-  [ -n "$pid" ] || fail "no launcher process on the host"
-  kill -9 "$pid"
-  for _ in $(seq 300); do
-    [ "$(k get pod $POD -o jsonpath='{.status.initContainerStatuses[0].restartCount}')" -gt "$before" ] && break
-    sleep 0.1
-  done
+  kill_sidecar 'fkserve --socket=/fk/fusekeeper.sock'
   wait_appended 3 || { k logs $POD -c fuse-server | tail; fail "the app stopped after launcher kill $i"; }
 done
 LOGS=$(k logs $POD -c fuse-server)

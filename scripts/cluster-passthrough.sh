@@ -16,17 +16,11 @@
 # Last line: "cluster-passthrough: OK ..." or "cluster-passthrough: FAILED: ...".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-K8S=${K8S_HOME:-/opt/k8s}
-KIT=${KIT:-../shared/k8s-cluster}
-export KUBECONFIG=$K8S/admin.kubeconfig
-PATH=$K8S/bin:$PATH
-KILLS=${KILLS:-5}
-NODE=${NODE:-vm}
-NS=fusekeeper
-AGENT_POD=fusekeeper-node-$NODE
+NAME=cluster-passthrough
 POD=fk-passthrough
-fail() { echo "cluster-passthrough: FAILED: $*"; exit 1; }
-k() { kubectl --request-timeout=30s "$@"; }
+KILLS=${KILLS:-5}
+SERVER='fkserve --socket=/fk/fusekeeper.sock --ready_file=/fk/ready serve'
+. scripts/cluster-common.sh
 agent_log() { k -n "$NS" logs "$AGENT_POD" -c fusekeeper 2>/dev/null; }
 
 [ -f "$K8S/deploy/agent-pod.yaml" ] || fail "no $K8S/deploy/agent-pod.yaml: run $KIT/deploy.sh first"
@@ -55,28 +49,7 @@ spec:
         seccompProfile: {type: RuntimeDefault}
       volumeMounts: [{name: fk, mountPath: /fk}, {name: export, mountPath: /export}]
   containers:
-    - name: app
-      image: busybox:1.36
-      securityContext: {runAsUser: 65534, runAsGroup: 65534, seccompProfile: {type: RuntimeDefault}}
-      command:
-        - sh
-        - -c
-        - |
-          trap 'exit 0' TERM
-          echo hello > /data/held.txt || echo "ERROR create"
-          exec 3</data/held.txt || echo "ERROR hold"
-          exec 4>>/data/log.txt || echo "ERROR open"
-          i=0
-          while true; do
-            i=\$((i+1))
-            got=\$(cat /data/held.txt) || echo "ERROR reopen \$i"
-            [ "\$got" = hello ] || echo "ERROR content \$i: '\$got'"
-            echo "line \$i" >&4 && echo "appended \$i" || echo "ERROR append \$i"
-            n=\$(wc -l < /data/log.txt) || echo "ERROR count \$i"
-            [ "\$n" = "\$i" ] || echo "ERROR lines \$i: \$n"
-            sleep 0.1
-          done
-      volumeMounts: [{name: data, mountPath: /data, mountPropagation: HostToContainer}]
+$(app_container 'exec 3</data/held.txt || echo "ERROR hold"')
   volumes:
     - name: fk
       emptyDir: {}
@@ -87,30 +60,14 @@ spec:
         driver: fusekeeper.csi
         volumeAttributes: {kind: fuse, serverUid: "65534", socketVolume: fk}
 YAML
-for _ in $(seq 120); do
-  [ "$(k get pod $POD -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ] && break
-  sleep 1
-done
-[ "$(k get pod $POD -o jsonpath='{.status.phase}')" = Running ] || { k describe pod $POD | tail -20; fail "pod not Running"; }
-appended() { k logs $POD -c app 2>/dev/null | grep -c '^appended'; }
-wait_appended() {  # wait_appended N: until the app has appended N more lines (60 s)
-  local want=$(( $(appended) + $1 ))
-  for _ in $(seq 600); do [ "$(appended)" -ge $want ] && return 0; sleep 0.1; done
-  return 1
-}
-restarts() { k get pod $POD -o jsonpath='{.status.initContainerStatuses[0].restartCount}'; }
+wait_running
 wait_appended 5 || { k logs $POD -c fuse-server | tail; k logs $POD -c app | tail; fail "the app does not work"; }
 k logs $POD -c fuse-server | grep -q "passthrough: asked for in the INIT reply" ||
   fail "the server did not ask for passthrough: $(k logs $POD -c fuse-server | tail -3)"
 agent_log | grep "volume.*$POD\|registered its first backing file" | grep -q "registered its first backing file" ||
   fail "the agent registered no backing file"
 for i in $(seq "$KILLS"); do
-  before=$(restarts)
-  pid=$(pgrep -f 'fkserve --socket=/fk/fusekeeper.sock --ready_file=/fk/ready serve' | head -1)
-  [ -n "$pid" ] || fail "no server process on the host"
-  kill -9 "$pid"
-  for _ in $(seq 300); do [ "$(restarts)" -gt "$before" ] && break; sleep 0.1; done
-  [ "$(restarts)" -gt "$before" ] || fail "the kubelet did not restart the sidecar after kill $i"
+  kill_sidecar "$SERVER"
   wait_appended 3 || { k logs $POD -c fuse-server | tail; fail "the app stopped after server kill $i"; }
 done
 k logs $POD -c fuse-server | grep -q "carrying on from the table of the last server" ||
@@ -123,10 +80,7 @@ k apply -f "$K8S/deploy/agent-pod.yaml" >/dev/null || fail "starting the agent p
 for _ in $(seq 300); do agent_log | grep -q "re-deposited its live FUSE connection" && break; sleep 0.2; done
 agent_log | grep -q "re-deposited its live FUSE connection" || fail "the server did not re-deposit with the new agent"
 wait_appended 5 || fail "the app stopped after the agent restart"
-before=$(restarts)
-pid=$(pgrep -f 'fkserve --socket=/fk/fusekeeper.sock --ready_file=/fk/ready serve' | head -1)
-kill -9 "$pid"
-for _ in $(seq 300); do [ "$(restarts)" -gt "$before" ] && break; sleep 0.1; done
+kill_sidecar "$SERVER"
 wait_appended 5 || { k logs $POD -c fuse-server | tail; fail "the app stopped after the kill after the agent restart"; }
 errors=$(k logs $POD -c app | grep -c ERROR)
 steps=$(appended)

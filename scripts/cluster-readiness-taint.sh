@@ -18,17 +18,11 @@
 # Last line: "cluster-readiness-taint: OK ..." or "cluster-readiness-taint: FAILED: ...".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-K8S=${K8S_HOME:-/opt/k8s}
-KIT=${KIT:-../shared/k8s-cluster}
-export KUBECONFIG=$K8S/admin.kubeconfig
-PATH=$K8S/bin:$PATH
-NODE=${NODE:-vm}
-NS=fusekeeper
+NAME=cluster-readiness-taint
+. scripts/cluster-common.sh
 KEY=fusekeeper.csi/agent-not-ready
-AGENT_POD=fusekeeper-node-$NODE
 PROBE=fk-taint-probe
-fail() { echo "cluster-readiness-taint: FAILED: $*"; kubectl taint node "$NODE" "$KEY-" >/dev/null 2>&1; exit 1; }
-k() { kubectl --request-timeout=30s "$@"; }
+fail() { echo "$NAME: FAILED: $*"; kubectl taint node "$NODE" "$KEY-" >/dev/null 2>&1; exit 1; }
 taints() { k get node "$NODE" -o jsonpath='{range .spec.taints[*]}{.key}={.effect}{" "}{end}'; }
 # Waits up to $1 s for the command in the other arguments to succeed (a poll of the API server's
 # state, which is what this test observes; no event stream to wait on).
