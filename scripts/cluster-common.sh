@@ -12,8 +12,8 @@ k() { kubectl --request-timeout=30s "$@"; }
 
 # The app container of a test pod (YAML, indented for `containers:`): as uid 65534, it writes
 # /data/held.txt, runs $1 (e.g. holding a file open), keeps /data/log.txt open for the pod's life,
-# and every 0.1 s reads held.txt (a new open), appends a line through the held log and checks the
-# count; each problem is a line starting ERROR, each append a line "appended N".
+# and every 0.1 s reads held.txt (a new open), runs $2, appends a line through the held log and
+# checks the count; each problem is a line starting ERROR, each append a line "appended N".
 app_container() {
   cat <<YAML
     - name: app
@@ -32,6 +32,7 @@ app_container() {
             i=\$((i+1))
             got=\$(cat /data/held.txt) || echo "ERROR read \$i"
             [ "\$got" = hello ] || echo "ERROR content \$i: '\$got'"
+            $2
             echo "line \$i" >&4 && echo "appended \$i" || echo "ERROR append \$i"
             n=\$(wc -l < /data/log.txt) || echo "ERROR count \$i"
             [ "\$n" = "\$i" ] || echo "ERROR lines \$i: \$n"
@@ -60,13 +61,14 @@ wait_appended() {
 # The restarts of the pod's first init container (the server sidecar).
 sidecar_restarts() { k get pod "$POD" -o jsonpath='{.status.initContainerStatuses[0].restartCount}'; }
 # kill_sidecar PATTERN: kill -9 of the host process matching PATTERN, then until the kubelet has
-# restarted the sidecar (30 s), else fails.
+# restarted the sidecar (150 s: a container that keeps dying is restarted after a back-off of 10,
+# 20, 40, 80 s...), else fails.
 kill_sidecar() {
   local before pid
   before=$(sidecar_restarts)
   pid=$(pgrep -f "$1" | head -1)
   [ -n "$pid" ] || fail "no process matching '$1' on the host"
   kill -9 "$pid"
-  for _ in $(seq 300); do [ "$(sidecar_restarts)" -gt "$before" ] && return 0; sleep 0.1; done
-  fail "the kubelet did not restart the sidecar"
+  for _ in $(seq 1500); do [ "$(sidecar_restarts)" -gt "$before" ] && return 0; sleep 0.1; done
+  fail "the kubelet did not restart the sidecar after a kill (restarts: $(sidecar_restarts))"
 }

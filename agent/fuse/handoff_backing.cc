@@ -91,12 +91,23 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
 }
 
 void HandoffEndpoint::ServerLeftBackingIds(Connection* c) {
-  if (backing_ids_.empty() || !c->identity) return;
+  if (backing_ids_.empty()) return;
   if (relay_state_.valid()) {
     LOG(INFO) << "volume " << config_.volume_id << ": keeping the " << backing_ids_.size()
               << " backing file(s) registered on its connection for the next server (the state its stopped "
                  "server deposited names them)";
     return;
+  }
+  // (A server that only shared its predecessors' ids never asked anything: who it was is still on
+  // its socket, which keeps the peer's credentials after the peer is gone.)
+  if (!c->identity) {
+    auto who = PeerIdentity(c->fd.get());
+    if (!who.ok()) {
+      LOG(WARNING) << "volume " << config_.volume_id << ": cannot close the backing files registered on its connection ("
+                   << who.status() << "); they stay registered until the connection ends";
+      return;
+    }
+    c->identity = *who;
   }
   CloseBackingIds(*c->identity, "its stopped server left them registered and deposited no table of them");
 }
