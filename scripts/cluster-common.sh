@@ -14,7 +14,7 @@ k() { kubectl --request-timeout=30s "$@"; }
 # /data/held.txt, runs $1 (e.g. holding a file open), keeps /data/log.txt open for the pod's life,
 # and every 0.1 s reads held.txt (a new open), runs $2, appends a line through the held log and
 # checks the count; each problem is a line starting ERROR, each append a line "appended N".
-app_container() {
+app_container() {  # app_container HOLD STEP (either may be "")
   cat <<YAML
     - name: app
       image: busybox:1.36
@@ -25,14 +25,14 @@ app_container() {
         - |
           trap 'exit 0' TERM
           echo hello > /data/held.txt || echo "ERROR create"
-          $1
+          ${1:-}
           exec 4>>/data/log.txt || echo "ERROR open"
           i=0
           while true; do
             i=\$((i+1))
             got=\$(cat /data/held.txt) || echo "ERROR read \$i"
             [ "\$got" = hello ] || echo "ERROR content \$i: '\$got'"
-            $2
+            ${2:-}
             echo "line \$i" >&4 && echo "appended \$i" || echo "ERROR append \$i"
             n=\$(wc -l < /data/log.txt) || echo "ERROR count \$i"
             [ "\$n" = "\$i" ] || echo "ERROR lines \$i: \$n"
