@@ -313,13 +313,6 @@ TEST_F(RecoveryE2ETest, PerVolumeFuseTuningHoldsOnceServedAndOnEveryFreshConnect
 // stats must not call a healthy volume "a different mount", and the pod view made before the
 // first restart must read through every repair.
 TEST_F(RecoveryE2ETest, RepairsAfterAgentRestartsInNewMountNamespacesReachTheRunningContainer) {
-  if (getenv("ASAN_OPTIONS") != nullptr && getenv("FUSEKEEPER_RUN_FLAKY") == nullptr) {
-    // Under AddressSanitizer, 2 of about 9 runs saw the repair after the second restart stop
-    // after unmounting the dead layer and before mounting the fresh one (no error, no log line
-    // for 20 s); it never happened in the plain build. Left for investigation (see the notes):
-    // FUSEKEEPER_RUN_FLAKY=1 (--test_env) runs it anyway.
-    GTEST_SKIP() << "flaky under AddressSanitizer: a repair after the second restart stalls (under investigation)";
-  }
   agent_prefix_ = {"/usr/bin/unshare", "-m", "--propagation", "unchanged"};
   StartAgent();
   const std::string target = Pod("pod-ns", "ns-1");
