@@ -96,14 +96,14 @@ void BackingTable::Index() {
   for (uint32_t i = 0; i < capacity_; ++i) {
     Slot& s = slots_[i];
     if (__atomic_load_n(&s.used, __ATOMIC_ACQUIRE) == 0) continue;
-    // Whole slots only (the class comment); one that names no id, or a handle twice, is dropped.
-    if (s.id <= 0 || by_fh_.count(s.fh) != 0) {
+    // Whole slots only (the class comment); one that names no valid id, or a handle twice, is
+    // dropped.
+    if (s.id < kCached || by_fh_.count(s.fh) != 0) {
       __atomic_store_n(&s.used, 0, __ATOMIC_RELEASE);
       continue;
     }
     by_fh_[s.fh] = i;
-    id_of_node_.emplace(s.nodeid, s.id);
-    ++handles_of_id_[s.id];
+    Count(s.nodeid, s.id);
     high_ = i + 1;
   }
   for (uint32_t i = high_; i-- > 0;) {
@@ -117,7 +117,7 @@ int32_t BackingTable::IdOf(uint64_t nodeid) const {
 }
 
 bool BackingTable::Add(uint64_t fh, uint64_t nodeid, int32_t id) {
-  if (id <= 0 || by_fh_.count(fh) != 0) return false;
+  if (id < kCached || by_fh_.count(fh) != 0) return false;
   uint32_t i;
   if (!free_.empty()) {
     i = free_.back();
@@ -133,9 +133,17 @@ bool BackingTable::Add(uint64_t fh, uint64_t nodeid, int32_t id) {
   s.id = id;
   __atomic_store_n(&s.used, 1, __ATOMIC_RELEASE);
   by_fh_[fh] = i;
+  Count(nodeid, id);
+  return true;
+}
+
+void BackingTable::Count(uint64_t nodeid, int32_t id) {
+  if (id == kCached) {
+    ++cached_of_node_[nodeid];
+    return;
+  }
   id_of_node_.emplace(nodeid, id);
   ++handles_of_id_[id];
-  return true;
 }
 
 int32_t BackingTable::Remove(uint64_t fh) {
@@ -146,6 +154,11 @@ int32_t BackingTable::Remove(uint64_t fh) {
   free_.push_back(it->second);
   by_fh_.erase(it);
   const int32_t id = s.id;
+  if (id == kCached) {
+    auto cached = cached_of_node_.find(s.nodeid);
+    if (cached != cached_of_node_.end() && --cached->second == 0) cached_of_node_.erase(cached);
+    return 0;
+  }
   auto count = handles_of_id_.find(id);
   if (count == handles_of_id_.end() || --count->second > 0) return 0;
   handles_of_id_.erase(count);

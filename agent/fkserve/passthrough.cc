@@ -379,8 +379,15 @@ void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi
     io->pending = ReplayIo::Pending{fh, shared};
     return;
   }
+  // Beside a file of it open the ordinary way, an open must be that way too (the kernel refuses
+  // passthrough beside a cached open: EIO).
+  if (io->table->HasCachedOpens(ino)) {
+    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
+    return;
+  }
   auto id = io->backing->Open(fd);
   if (!id.ok()) {  // served the ordinary way
+    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
     if (!io->said_refused) {
       io->said_refused = true;
       fprintf(stderr, "fkserve: passthrough: the agent did not register a file (%s); such opens are served the "
@@ -388,7 +395,11 @@ void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi
     }
     return;
   }
-  if (!io->table->Add(fh, ino, *id)) return io->backing->Close(*id);  // full: served the ordinary way
+  if (!io->table->Add(fh, ino, *id)) {  // full
+    io->backing->Close(*id);
+    fi->direct_io = 1;
+    return;
+  }
   io->pending = ReplayIo::Pending{fh, *id};
 }
 

@@ -73,13 +73,14 @@ TEST(BackingTableTest, OnlyWholeSlotsCount) {
     uint64_t fh, nodeid;
     int32_t id;
     uint32_t used;
-  } half{3, 12, 9, 0}, no_id{4, 13, 0, 1};
+  } half{3, 12, 9, 0}, no_id{4, 13, -1, 1};
   ASSERT_EQ(pwrite((*t)->fd(), &half, sizeof(half), 64 + 24), 24);
   ASSERT_EQ(pwrite((*t)->fd(), &no_id, sizeof(no_id), 64 + 48), 24);
   auto adopted = BackingTable::Adopt(Dup((*t)->fd()));
   ASSERT_TRUE(adopted.ok());
   EXPECT_EQ((*adopted)->IdOf(12), 0);
-  EXPECT_EQ((*adopted)->IdOf(13), 0) << "a slot naming no id is dropped";
+  EXPECT_EQ((*adopted)->IdOf(13), 0) << "a slot naming no valid id is dropped";
+  EXPECT_FALSE((*adopted)->HasCachedOpens(13));
   EXPECT_EQ((*adopted)->IdOf(10), 7);
   EXPECT_EQ((*adopted)->handles(), 1u);
   // Its room is used again.
@@ -89,6 +90,25 @@ TEST(BackingTableTest, OnlyWholeSlotsCount) {
   EXPECT_FALSE((*adopted)->Add(8, 17, 13)) << "four slots";
   EXPECT_EQ((*adopted)->Remove(5), 10);
   EXPECT_TRUE((*adopted)->Add(8, 17, 13)) << "room again";
+}
+
+// Files open the ordinary way (the agent was away, or refused) are recorded too, so that no open
+// of their inode passes through while they are (the kernel: EIO), by this server or the next.
+TEST(BackingTableTest, CachedOpensAreKeptUntilTheirLastRelease) {
+  auto t = BackingTable::Create();
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->Add(1, 10, BackingTable::kCached));
+  ASSERT_TRUE((*t)->Add(2, 10, BackingTable::kCached));
+  EXPECT_TRUE((*t)->HasCachedOpens(10));
+  EXPECT_EQ((*t)->IdOf(10), 0);
+  EXPECT_FALSE((*t)->Add(3, 11, -1)) << "not an id";
+  EXPECT_EQ((*t)->Remove(1), 0);
+  auto next = BackingTable::Adopt(Dup((*t)->fd()));
+  ASSERT_TRUE(next.ok());
+  EXPECT_TRUE((*next)->HasCachedOpens(10)) << "the successor knows";
+  EXPECT_EQ((*next)->Remove(2), 0) << "nothing to close";
+  EXPECT_FALSE((*next)->HasCachedOpens(10));
+  EXPECT_EQ((*next)->handles(), 0u);
 }
 
 TEST(BackingTableTest, AdoptRefusesWhatIsNotATable) {

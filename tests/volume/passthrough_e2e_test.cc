@@ -61,7 +61,7 @@ class PassthroughE2ETest : public FuseE2ETest {
     ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
     // The app holds kept.txt open, in a process of its own (a test process holding a FUSE file would
     // flush it as it execs the next server, and wait for a server that cannot start). Commands:
-    // 'r' reads "before", 'w' writes "during" after it.
+    // 'r' reads "before", 'w' writes "during" after it, 'o' opens and holds during.txt.
     fs::create_directories(root_.path() + "/views/app");
     PodApp app(target_, root_.path() + "/views/app", kServerUid, [](const std::string& view_dir, int out) {
       const int fd = open((view_dir + "/kept.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
@@ -74,6 +74,7 @@ class PassthroughE2ETest : public FuseE2ETest {
         char buf[6] = {};
         if (c == 'r') PodApp::Report(out, pread(fd, buf, 6, 0) == 6 && std::string(buf, 6) == "before" ? "=ok" : "=failed");
         if (c == 'w') PodApp::Report(out, pwrite(fd, "during", 6, 6) == 6 ? "=ok" : "=failed");
+        if (c == 'o') PodApp::Report(out, open((view_dir + "/during.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644) >= 0 ? "=ok" : "=failed");
         if (c == 0) return;  // the test ended
       }
     });
@@ -108,10 +109,16 @@ class PassthroughE2ETest : public FuseE2ETest {
     agent_->Signal(SIGKILL);
     ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
     EXPECT_TRUE(app.Ask('r'));
+    // A file opened while there is no agent is served the ordinary way (cached), and held open:
+    // later opens of it must not pass through (the kernel refuses passthrough beside a cached
+    // open: EIO) until it is closed.
+    EXPECT_TRUE(app.Ask('o')) << "an open with the agent gone";
     StartAgent();
     ASSERT_TRUE(AgentSaid("re-deposit")) << agent_->Stderr();
     EXPECT_TRUE(opens_pass_through("after-agent-restart"));
     EXPECT_TRUE(reopens_kept()) << "after the agent's restart: " << strerror(errno);
+    EXPECT_TRUE(opens_pass_through("during.txt")) << "a file held open since the agent was gone opens again: "
+                                                  << strerror(errno);
     EXPECT_TRUE(AgentSaid("registered its first backing file")) << "the restarted agent brokered it\n" << agent_->Stderr();
     // A fresh connection: its server negotiates passthrough again.
     struct stat st;
