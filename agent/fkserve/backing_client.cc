@@ -12,6 +12,7 @@ namespace fusekeeper {
 void BackingClient::SetSocket(UniqueFd sock) {
   std::lock_guard<std::mutex> lock(mu_);
   sock_ = std::move(sock);
+  abandoned_.clear();  // their answers would have come on the connection that ended
   if (sock_) return;
   for (auto& [id, answer] : waiting_) {
     if (!answer) answer = BackingReply{id, 0, "the connection to the agent ended"};
@@ -32,6 +33,7 @@ absl::StatusOr<int32_t> BackingClient::Open(int fd, std::chrono::milliseconds ti
   const bool answered = cv_.wait_for(lock, timeout, [&] { return slot.has_value(); });
   BackingReply reply = answered ? *slot : BackingReply{id, 0, "the agent did not answer in time"};
   waiting_.erase(id);
+  if (!answered) abandoned_.insert(id);  // a registration that comes later is closed (Deliver)
   if (reply.error.empty()) {
     ++opened_;
     return reply.backing_id;
@@ -47,14 +49,23 @@ absl::StatusOr<int32_t> BackingClient::Open(int fd, std::chrono::milliseconds ti
 
 void BackingClient::Close(int32_t backing_id) {
   std::lock_guard<std::mutex> lock(mu_);
+  CloseLocked(backing_id);
+}
+
+void BackingClient::CloseLocked(int32_t backing_id) {
   if (!sock_) return;  // the agent closes what a server left when its connection ends
   (void)SendHandoffMessage(sock_.get(), EncodeBackingRequest(BackingRequest{++next_id_, false, backing_id}), -1);
 }
 
 void BackingClient::Deliver(const BackingReply& reply) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (abandoned_.erase(reply.id) != 0) {
+    // The open it was for went on without it: nothing will name this id.
+    if (reply.error.empty() && reply.backing_id > 0) CloseLocked(reply.backing_id);
+    return;
+  }
   auto it = waiting_.find(reply.id);
-  if (it == waiting_.end()) return;  // a close's answer, or one that came too late
+  if (it == waiting_.end()) return;  // a close's answer
   it->second = reply;
   cv_.notify_all();
 }

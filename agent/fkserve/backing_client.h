@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 
 #include "absl/status/statusor.h"
 #include "agent/base/unique_fd.h"
@@ -37,11 +38,14 @@ class BackingClient {
   int64_t opened() const;
 
  private:
+  void CloseLocked(int32_t backing_id);
+
   mutable std::mutex mu_;
   std::condition_variable cv_;
   UniqueFd sock_;
   uint64_t next_id_ = 0;
   std::map<uint64_t, std::optional<BackingReply>> waiting_;  // opens waiting for their answer
+  std::set<uint64_t> abandoned_;  // opens that stopped waiting (timed out)
   bool enabled_ = true;
   int64_t opened_ = 0;
 };
