@@ -355,6 +355,7 @@ struct ReplayIo {
   // it, the others share it, and the last release closes it, whichever server opened it
   // (backing_table.h).
   BackingTable* table = nullptr;
+  bool register_backing = true;  // PassthroughOptions::register_backing
   bool said_refused = false;
 };
 
@@ -382,6 +383,10 @@ void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi
   // Beside a file of it open the ordinary way, an open must be that way too (the kernel refuses
   // passthrough beside a cached open: EIO).
   if (io->table->HasCachedOpens(ino)) {
+    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
+    return;
+  }
+  if (!io->register_backing) {
     if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
     return;
   }
@@ -522,6 +527,7 @@ absl::Status ServePassthrough(int fuse_fd, const PassthroughOptions& options) {
   }
   io.backing = options.backing;
   io.table = options.backing_table;
+  io.register_backing = options.register_backing;
   io.kernel_offers_passthrough = InitOffers(io.init, kInitFusePassthrough);
   io.killpriv = options.xattrs && InitOffers(io.init, FUSE_HANDLE_KILLPRIV_V2) && KillPrivIsTheExports();
   if (io.backing != nullptr && !io.live && !io.kernel_offers_passthrough) {

@@ -41,6 +41,10 @@ struct PassthroughOptions {
   // With `backing`: which open handles pass through to which backing id (backing_table.h),
   // shared with the connection's earlier and later servers. Null: no passthrough.
   BackingTable* backing_table = nullptr;
+  // False (passthrough turned off on a connection that had it): opens of files still open in
+  // passthrough share their backing file (the kernel allows no other way), and every other open is
+  // served the ordinary way; no file is registered.
+  bool register_backing = true;
   // Extended attributes of the export. Off: every xattr operation answers ENOSYS, which the
   // kernel remembers and then never asks again; that spares each passthrough write the GETXATTR
   // of security.capability the kernel makes before it (file_remove_privs) — 0.84–0.89 of native

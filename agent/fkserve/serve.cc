@@ -27,8 +27,8 @@ int Fail(int code, const std::string& message) {
 }
 
 // Passthrough's table of open handles (backing_table.h): the one the connection's earlier server
-// deposited with the agent, or a new one. Null (passthrough off) if no memfd can be made.
-std::unique_ptr<BackingTable> PassthroughTable(Handoff* handoff) {
+// deposited with the agent, or (`create`) a new one. Null (passthrough off) if there is none.
+std::unique_ptr<BackingTable> PassthroughTable(Handoff* handoff, bool create) {
   if (handoff->relay_state.valid()) {
     auto adopted = BackingTable::Adopt(std::move(handoff->relay_state));
     if (adopted.ok()) {
@@ -36,9 +36,10 @@ std::unique_ptr<BackingTable> PassthroughTable(Handoff* handoff) {
               "backing file(s))\n", (*adopted)->handles(), (*adopted)->ids());
       return std::move(*adopted);
     }
-    fprintf(stderr, "fkserve: passthrough: the state the agent kept is not ours (%s); starting a new table\n",
-            std::string(adopted.status().message()).c_str());
+    fprintf(stderr, "fkserve: passthrough: the state the agent kept is not ours (%s)%s\n",
+            std::string(adopted.status().message()).c_str(), create ? "; starting a new table" : "");
   }
+  if (!create) return nullptr;
   auto table = BackingTable::Create();
   if (table.ok()) return std::move(*table);
   fprintf(stderr, "fkserve: passthrough off: %s\n", std::string(table.status().message()).c_str());
@@ -72,11 +73,19 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   }
   // Passthrough's table goes to the agent with the reply (as a relay's state): kept there for the
   // next server of this connection.
+  // With passthrough off, a live connection's table is still carried on: files its predecessor left
+  // open in passthrough must be opened again with their backing file (another way: EIO), and
+  // closed when their last handle goes; this server registers none itself.
   BackingClient backing;
-  std::unique_ptr<BackingTable> table = o.passthrough ? PassthroughTable(&handoff) : nullptr;
+  std::unique_ptr<BackingTable> table = PassthroughTable(&handoff, o.passthrough);
   if (table) {
     options.backing = &backing;
     options.backing_table = table.get();
+    options.register_backing = o.passthrough;
+    if (!o.passthrough) {
+      fprintf(stderr, "fkserve: passthrough off; files the last server left open in passthrough are opened with their "
+              "backing files until they are closed\n");
+    }
   }
   ReplyToAgent(sock.get(), true, "", false, handoff.config.live ? "" : options.init_request, false,
                table ? table->fd() : -1);

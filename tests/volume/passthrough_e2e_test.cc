@@ -210,6 +210,47 @@ TEST_F(PassthroughAgentInItsOwnNamespaceTest, PassesThroughAcrossAServerKillAnAg
   AcrossAServerKillAnAgentRestartAndAFreshConnection();
 }
 
+// Passthrough turned off on a live connection (a successor started with --passthrough=false):
+// a file its predecessor left open in passthrough is opened again with its backing file (the
+// kernel allows no other way), and other files are served the ordinary way.
+TEST_F(PassthroughE2ETest, TurnedOffOnALiveConnectionFilesLeftOpenStillOpen) {
+  Subprocess* first = StartServer(socket_, Passthrough());
+  const std::string want = "hello from the export\n";
+  auto view = PodReader(target_, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
+  fs::create_directories(root_.path() + "/views/app");
+  PodApp app(target_, root_.path() + "/views/app", kServerUid, [](const std::string& view_dir, int out) {
+    const int fd = open((view_dir + "/kept.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+    if (fd < 0 || pwrite(fd, "kept", 4, 0) != 4) return PodApp::Report(out, PodApp::Err("open+write kept.txt"));
+    PodApp::Report(out, "+");
+    pollfd p{out, POLLIN, 0};
+    while (poll(&p, 1, -1) != 1 || PodApp::NextCommand(out) != 0) {
+    }
+  });
+  ASSERT_TRUE(app.WaitForStepsInAll(1)) << testing::PrintToString(app.errors());
+  ASSERT_TRUE(AgentSaid("registered its first backing file")) << agent_->Stderr();
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
+  Subprocess* second = StartServer(socket_, {"serve", "--root=" + export_, "--passthrough=false"});
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << second->Stderr() << agent_->Stderr();
+  {
+    UniqueFd again(open((target_ + "/kept.txt").c_str(), O_RDWR | O_CLOEXEC));
+    ASSERT_TRUE(again) << "a file left open in passthrough opens again: " << strerror(errno) << second->Stderr();
+    char buf[4];
+    EXPECT_EQ(pread(again.get(), buf, sizeof(buf), 0), 4);
+    EXPECT_EQ(std::string(buf, 4), "kept");
+  }
+  {
+    UniqueFd other(open((target_ + "/other-new.txt").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
+    ASSERT_TRUE(other) << strerror(errno);
+    EXPECT_EQ(pwrite(other.get(), "x", 1, 0), 1);
+  }
+  EXPECT_TRUE(absl::StrContains(second->Stderr(), "passthrough off; files the last server left open"));
+  EXPECT_EQ(agent_->CountInStderr("registered its first backing file"), 1) << "the second server registered nothing\n"
+                                                                   << agent_->Stderr();
+  view->Stop();
+}
+
 // A server of our own making (the test, as root) takes the volume, answers FUSE_INIT asking for
 // passthrough, and then asks the agent for what a hostile server might: each is refused with a
 // reason, a proper file gets an id it can close, and no fd the agent received stays open.
