@@ -46,6 +46,24 @@ std::unique_ptr<BackingTable> PassthroughTable(Handoff* handoff, bool create) {
   return nullptr;
 }
 
+// The table, and `options` told of it and of `backing`. With passthrough off, a live connection's
+// table is still carried on: files its predecessor left open in passthrough must be opened again
+// with their backing file (another way: EIO), and closed when their last handle goes; this server
+// registers none itself.
+std::unique_ptr<BackingTable> WirePassthrough(Handoff* handoff, bool on, BackingClient* backing,
+                                              PassthroughOptions* options) {
+  std::unique_ptr<BackingTable> table = PassthroughTable(handoff, on);
+  if (!table) return nullptr;
+  options->backing = backing;
+  options->backing_table = table.get();
+  options->register_backing = on;
+  if (!on) {
+    fprintf(stderr, "fkserve: passthrough off; files the last server left open in passthrough are opened with their "
+            "backing files until they are closed\n");
+  }
+  return table;
+}
+
 }  // namespace
 
 int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
@@ -73,20 +91,8 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   }
   // Passthrough's table goes to the agent with the reply (as a relay's state): kept there for the
   // next server of this connection.
-  // With passthrough off, a live connection's table is still carried on: files its predecessor left
-  // open in passthrough must be opened again with their backing file (another way: EIO), and
-  // closed when their last handle goes; this server registers none itself.
   BackingClient backing;
-  std::unique_ptr<BackingTable> table = PassthroughTable(&handoff, o.passthrough);
-  if (table) {
-    options.backing = &backing;
-    options.backing_table = table.get();
-    options.register_backing = o.passthrough;
-    if (!o.passthrough) {
-      fprintf(stderr, "fkserve: passthrough off; files the last server left open in passthrough are opened with their "
-              "backing files until they are closed\n");
-    }
-  }
+  std::unique_ptr<BackingTable> table = WirePassthrough(&handoff, o.passthrough, &backing, &options);
   ReplyToAgent(sock.get(), true, "", false, handoff.config.live ? "" : options.init_request, false,
                table ? table->fd() : -1);
   BlockSignals({SIGTERM, SIGINT, SIGHUP});
