@@ -13,6 +13,7 @@ void BackingClient::SetSocket(UniqueFd sock) {
   std::lock_guard<std::mutex> lock(mu_);
   sock_ = std::move(sock);
   abandoned_.clear();  // their answers would have come on the connection that ended
+  paused_until_ = {};  // a new agent (or none) is asked afresh
   if (sock_) return;
   for (auto& [id, answer] : waiting_) {
     if (!answer) answer = BackingReply{id, 0, "the connection to the agent ended"};
@@ -20,10 +21,14 @@ void BackingClient::SetSocket(UniqueFd sock) {
   cv_.notify_all();
 }
 
-absl::StatusOr<int32_t> BackingClient::Open(int fd, std::chrono::milliseconds timeout) {
+absl::StatusOr<int32_t> BackingClient::Open(int fd, std::chrono::milliseconds timeout,
+                                            std::chrono::milliseconds pause) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!enabled_) return absl::FailedPreconditionError("passthrough is off for this connection");
   if (!sock_) return absl::UnavailableError("no connection to the agent");
+  if (std::chrono::steady_clock::now() < paused_until_) {
+    return absl::UnavailableError("the agent did not answer in time a moment ago; not asking for a while");
+  }
   const uint64_t id = ++next_id_;
   // One message per request; SEQPACKET sends are whole, so requests from threads never mix.
   if (auto s = SendHandoffMessage(sock_.get(), EncodeBackingRequest(BackingRequest{id, true, 0}), fd); !s.ok()) {
@@ -33,7 +38,10 @@ absl::StatusOr<int32_t> BackingClient::Open(int fd, std::chrono::milliseconds ti
   const bool answered = cv_.wait_for(lock, timeout, [&] { return slot.has_value(); });
   BackingReply reply = answered ? *slot : BackingReply{id, 0, "the agent did not answer in time"};
   waiting_.erase(id);
-  if (!answered) abandoned_.insert(id);  // a registration that comes later is closed (Deliver)
+  if (!answered) {
+    abandoned_.insert(id);  // a registration that comes later is closed (Deliver)
+    paused_until_ = std::chrono::steady_clock::now() + pause;
+  }
   if (reply.error.empty()) {
     ++opened_;
     return reply.backing_id;

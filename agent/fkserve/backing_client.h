@@ -28,8 +28,11 @@ class BackingClient {
   // The connection to the agent (a dup), or none: requests then fail at once, and so do the ones
   // waiting (their answers would have come on the connection that ended).
   void SetSocket(UniqueFd sock);
-  // Blocking, bounded by `timeout`: the backing id of `fd`.
-  absl::StatusOr<int32_t> Open(int fd, std::chrono::milliseconds timeout = std::chrono::seconds(5));
+  // Blocking, bounded by `timeout`: the backing id of `fd`. The FUSE session waits meanwhile, so
+  // after an answer that did not come in time the client asks nothing for `pause` (opens are
+  // served the ordinary way): a hung agent costs the volume one wait, not one per open.
+  absl::StatusOr<int32_t> Open(int fd, std::chrono::milliseconds timeout = std::chrono::seconds(2),
+                               std::chrono::milliseconds pause = std::chrono::seconds(10));
   // Unregisters `backing_id`; its answer is not waited for.
   void Close(int32_t backing_id);
   // An answer from the agent (AgentLink).
@@ -47,6 +50,7 @@ class BackingClient {
   std::map<uint64_t, std::optional<BackingReply>> waiting_;  // opens waiting for their answer
   std::set<uint64_t> abandoned_;  // opens that stopped waiting (timed out)
   bool enabled_ = true;
+  std::chrono::steady_clock::time_point paused_until_{};
   int64_t opened_ = 0;
 };
 

@@ -70,6 +70,32 @@ TEST_F(BackingClientTest, ALateRegistrationIsClosed) {
   EXPECT_TRUE(client_.enabled()) << "a slow agent does not turn passthrough off";
 }
 
+// While the session waits for the agent, the volume waits: after one answer that did not come in
+// time, opens are not asked about for a while (they are served the ordinary way at once).
+TEST_F(BackingClientTest, AfterAnAnswerThatDidNotComeOpensDoNotAskForAWhile) {
+  ASSERT_FALSE(client_.Open(file_.get(), std::chrono::milliseconds(20), std::chrono::hours(1)).ok());
+  (void)NextRequest();
+  auto next = client_.Open(file_.get());
+  ASSERT_FALSE(next.ok());
+  EXPECT_NE(next.status().message().find("not asking for a while"), std::string::npos) << next.status();
+  char buf[256];
+  EXPECT_EQ(recv(agent_.get(), buf, sizeof(buf), MSG_DONTWAIT), -1) << "nothing was sent";
+  EXPECT_EQ(errno, EAGAIN);
+  // A new connection to an agent is asked afresh.
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  agent_.Reset(pair[0]);
+  client_.SetSocket(UniqueFd(pair[1]));
+  std::thread agent([&] {
+    const BackingRequest r = NextRequest();
+    client_.Deliver(BackingReply{r.id, 3, ""});
+  });
+  auto id = client_.Open(file_.get());
+  agent.join();
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(*id, 3);
+}
+
 TEST_F(BackingClientTest, ARefusalThatCannotChangeTurnsItOff) {
   std::thread agent([&] {
     const BackingRequest r = NextRequest();
