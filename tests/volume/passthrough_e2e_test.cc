@@ -23,6 +23,7 @@
 #include "agent/fuse/fuse_mount.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/fuse/passthrough_abi.h"
+#include "tests/testing/with_deadline.h"
 #include "tests/volume/fuse_fixture.h"
 #include "tests/volume/pod_app.h"
 #include "tests/volume/pod_reader.h"
@@ -248,6 +249,29 @@ TEST_F(PassthroughE2ETest, TurnedOffOnALiveConnectionFilesLeftOpenStillOpen) {
   EXPECT_TRUE(absl::StrContains(second->Stderr(), "passthrough off; files the last server left open"));
   EXPECT_EQ(agent_->CountInStderr("registered its first backing file"), 1) << "the second server registered nothing\n"
                                                                    << agent_->Stderr();
+  view->Stop();
+}
+
+// The agent stopped (SIGSTOP: hung): opens of new files wait for its answer once, at most 2 s,
+// then are served the ordinary way without asking again for a while; none hangs or fails.
+TEST_F(PassthroughE2ETest, AHungAgentDelaysOpensOnceAndFailsNone) {
+  Subprocess* server = StartServer(socket_, Passthrough());
+  const std::string want = "hello from the export\n";
+  auto view = PodReader(target_, "hello.txt");
+  ASSERT_TRUE(view->WaitForReadsOf(want)) << view->setup_error() << agent_->Stderr();
+  agent_->Signal(SIGSTOP);
+  for (int i = 0; i < 5; ++i) {
+    const std::string name = "while-hung-" + std::to_string(i);
+    auto wrote = WithDeadline([&] {
+      UniqueFd f(open((target_ + "/" + name).c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
+      return f && pwrite(f.get(), name.data(), name.size(), 0) == static_cast<ssize_t>(name.size());
+    });
+    ASSERT_TRUE(wrote.has_value()) << name << ": an open waited for the hung agent past the deadline";
+    EXPECT_TRUE(*wrote) << name << ": " << strerror(errno);
+    EXPECT_EQ(ReadFile(export_ + "/" + name), name);
+  }
+  agent_->Signal(SIGCONT);
+  EXPECT_TRUE(absl::StrContains(server->Stderr(), "the agent did not answer in time")) << server->Stderr();
   view->Stop();
 }
 
