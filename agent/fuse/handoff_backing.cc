@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <sys/socket.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/fuse/handoff_endpoint_internal.h"
 #include "glog/logging.h"
@@ -23,12 +24,22 @@ void HandoffEndpoint::ReplyBacking(Connection* c, const BackingReply& reply) {
   }
 }
 
+void HandoffEndpoint::RefuseBacking(Connection* c, uint64_t id, const std::string& why) {
+  ++backing_refused_;
+  LOG(WARNING) << "volume " << config_.volume_id << ": passthrough request of " << c->Peer() << " refused: " << why;
+  ReplyBacking(c, BackingReply{id, 0, why});
+  // (Not for what is as configured: a connection whose first server did not ask for passthrough,
+  // or an agent that brokers none.)
+  const bool as_configured =
+      absl::StrContains(why, "did not negotiate passthrough") || absl::StrContains(why, "brokers no passthrough");
+  if (!as_configured && !c->backing_refusal_reported && c == serving_connection_ && events_.on_backing_refused) {
+    c->backing_refusal_reported = true;
+    events_.on_backing_refused(why);
+  }
+}
+
 void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req, std::vector<UniqueFd> fds) {
-  auto refuse = [&](const std::string& why) {
-    ++backing_refused_;
-    LOG(WARNING) << "volume " << config_.volume_id << ": passthrough request of " << c->Peer() << " refused: " << why;
-    ReplyBacking(c, BackingReply{req.id, 0, why});
-  };
+  auto refuse = [&](const std::string& why) { RefuseBacking(c, req.id, why); };
   if (options_.broker == nullptr) return refuse("this agent brokers no passthrough");
   if (c != serving_connection_) return refuse("only the server serving the volume may register backing files");
   if (!fuse_fd_) return refuse("the agent holds no copy of the volume's connection yet (it restarted; re-deposit first)");
@@ -66,11 +77,7 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
             return;
           }
           --c->backing_in_flight;
-          if (!r.ok()) {
-            ++backing_refused_;
-            LOG(WARNING) << "volume " << config_.volume_id << ": backing file of " << c->Peer() << " refused: " << r.status();
-            return ReplyBacking(c, BackingReply{id, 0, std::string(r.status().message())});
-          }
+          if (!r.ok()) return RefuseBacking(c, id, std::string(r.status().message()));
           backing_ids_.insert(*r);
           ++backing_opened_;
           if (c->backing_opened++ == 0) {

@@ -77,6 +77,9 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
     absl::AnyInvocable<void(const absl::Status& why)> on_server_gone;
     // The serving server reports something without stopping (HandoffReply::notice). Loop thread.
     absl::AnyInvocable<void(const HandoffReply& notice)> on_server_notice;
+    // The serving server's first passthrough registration that was refused (once per server):
+    // its opens of such files are served the ordinary way, slower.
+    absl::AnyInvocable<void(const std::string& why)> on_backing_refused;
     // A server cannot adopt the live connection and waits for a fresh one. Loop thread.
     absl::AnyInvocable<void()> on_fresh_requested;
     // The kept connection was aborted (fusectl abort, or the kernel gave up on it). Loop thread.
@@ -191,6 +194,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // A passthrough request of the serving server (handoff_backing.cc): answered on its connection.
   void OnBackingRequest(Connection* c, const BackingRequest& req, std::vector<UniqueFd> fds);
   void ReplyBacking(Connection* c, const BackingReply& reply);
+  // A refusal of c's request: counted, logged, answered, and the first one of c reported.
+  void RefuseBacking(Connection* c, uint64_t id, const std::string& why);
   // The serving server c stopped: the backing ids registered on the connection are kept for its
   // successor if c deposited a state (fkserve's table of them), else closed (nobody could name
   // them again; open files keep their own reference).

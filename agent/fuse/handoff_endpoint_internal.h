@@ -54,6 +54,7 @@ struct HandoffEndpoint::Connection {
   std::optional<ServerIdentity> identity;
   int backing_in_flight = 0;
   int64_t backing_opened = 0;
+  bool backing_refusal_reported = false;
   Aliveness alive;
 };
 

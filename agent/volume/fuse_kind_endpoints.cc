@@ -102,6 +102,13 @@ HandoffEndpoint::Events FuseKind::HandoffEvents(const std::string& vid, const st
   events.on_fresh_requested = [this, vid] {
     RepairFuse(vid, "its restarted FUSE server cannot adopt the live connection and asked for a fresh one");
   };
+  events.on_backing_refused = [this, vid](const std::string& why) {
+    if (const state::Volume* v = host_.Find(vid); v != nullptr) {
+      host_.Event(*v, "Warning", "PassthroughRefused",
+                  absl::StrCat("volume ", vid, ": the agent refused to register a file of its FUSE server for "
+                               "passthrough (", why, "); such files are served through the server, slower"));
+    }
+  };
   events.on_server_notice = [this, vid](const HandoffReply& notice) {
     if (const state::Volume* v = host_.Find(vid); v != nullptr) {
       host_.Event(*v, "Warning", "FuseServerNotice",

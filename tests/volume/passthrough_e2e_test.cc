@@ -354,6 +354,9 @@ TEST_F(PassthroughE2ETest, HostileBackingRequestsAreRefusedWithAReasonAndLeakNot
     EXPECT_EQ(r.backing_id, 0) << k.what;
     EXPECT_TRUE(absl::StrContains(r.error, k.says)) << k.what << ": " << r.error;
   }
+  // The first refusal is an Event on the volume's pods (once per server).
+  EXPECT_TRUE(AgentSaid("PassthroughRefused")) << agent_->Stderr();
+  EXPECT_EQ(agent_->CountInStderr("PassthroughRefused"), 1) << agent_->Stderr();
   // An id this server never registered (another connection's, or made up).
   EXPECT_TRUE(absl::StrContains(ask(false, -1, 7).error, "not one this volume's servers registered"));
   // A proper file: an id, which closes once and then is no longer ours.
