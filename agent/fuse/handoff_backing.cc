@@ -73,7 +73,10 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
             // The server (or the connection) went while its file was being registered: nobody
             // will name or close it (an earlier connection's closes with that connection).
             if (r.ok() && fuse_fd_ && generation == connection_generation_) options_.broker->Close(fuse_fd_.get(), *r, who);
-            if (alive.alive()) --c->backing_in_flight;
+            if (alive.alive()) {
+              --c->backing_in_flight;
+              ReplyBacking(c, BackingReply{id, 0, "the volume's connection was replaced while the file was registered"});
+            }
             return;
           }
           --c->backing_in_flight;
