@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -239,6 +241,27 @@ void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
 }
 
 namespace {
+
+// A server that goes with an answer of ours unread in its socket (a passthrough close's, say)
+// resets the connection, and the ring's receive reports that before what the server sent last,
+// which is still queued: its last word (the final HandoffReply), if it said one. Never waits (the
+// peer is gone, and the socket is made non-blocking anyway); what else is queued is dropped.
+std::optional<HandoffReply> LastWordAfterReset(int fd) {
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::optional<HandoffReply> last;
+  std::vector<char> buf(kMaxHandoffMessageBytes);
+  for (int i = 0; i < 4096; ++i) {
+    std::vector<UniqueFd> fds;
+    int flags = 0;
+    bool other_control = false;
+    const ssize_t n = ReceiveWithFds(fd, buf.data(), buf.size(), &fds, &flags, &other_control);
+    if (n <= 0) break;
+    const absl::string_view msg(buf.data(), static_cast<size_t>(n));
+    if (auto backing = DecodeBackingRequest(msg); !backing.ok() || backing->has_value()) continue;
+    if (auto reply = DecodeHandoffReply(msg); reply.ok() && reply->notice.empty() && !reply->draining) last = *reply;
+  }
+  return last;
+}
 
 // Whether the peer of socket `fd` has closed it. Never waits.
 bool HungUp(int fd) {
@@ -489,10 +512,18 @@ void HandoffEndpoint::WatchServer(Connection* c) {
       }
     }
     absl::Status why;
-    if (res == -ECANCELED) {
+    std::optional<HandoffReply> last_word;
+    if (res == -ECONNRESET) last_word = LastWordAfterReset(c->fd.get());
+    if (last_word) {
+      why = last_word->ok ? absl::UnavailableError("the FUSE server stopped serving")
+                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", last_word->error));
+    } else if (res == -ECANCELED) {
       why = absl::CancelledError("the agent stopped watching the server");
-    } else if (res <= 0) {
+    } else if (res == 0) {
       why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
+    } else if (res < 0) {
+      why = absl::UnavailableError(absl::StrCat("the FUSE server's connection failed (", strerror(-res),
+                                                "; it exited or was killed)"));
     } else {
       auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
       if (reply.ok() && reply->ok && reply->draining && !policy_.stopped()) {

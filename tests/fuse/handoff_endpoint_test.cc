@@ -182,6 +182,32 @@ TEST_F(HandoffEndpointTest, ASuccessorArrivingBeforeItsPredecessorsEndIsServed) 
   EXPECT_TRUE(DecodeMountConfig(m->payload).ok()) << m->payload;
 }
 
+// A server that stops cleanly with an answer of the agent's unread (here a passthrough refusal)
+// resets the connection: the kernel reports that to the agent's receive before the server's last
+// word, which is still there. A clean stop is still a clean stop (no crash Warning on a pod
+// deletion: the sidecar stopped at SIGTERM with a passthrough close answered but unread).
+TEST_F(HandoffEndpointTest, AStopWithAnAnswerUnreadIsStillACleanStop) {
+  StartEndpoint();
+  UniqueFd s = Serve();
+  ASSERT_EQ(served_cv_.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeBackingRequest(BackingRequest{1, false, 7}), -1).ok());
+  pollfd p{s.get(), POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 20000), 1) << "the agent answers (a refusal: it brokers no passthrough)";
+  // The loop is held while the server says its last word and goes, the answer unread.
+  auto gone = NextGone();
+  std::promise<void> holding, release;
+  ASSERT_TRUE(lt_.loop().Post([&] {
+    holding.set_value();
+    release.get_future().wait();
+  }));
+  holding.get_future().wait();
+  ASSERT_TRUE(SendHandoffMessage(s.get(), EncodeHandoffReply({.ok = true}), -1).ok());
+  s.Reset();
+  release.set_value();
+  ASSERT_EQ(gone.wait_for(kTestDeadline), std::future_status::ready);
+  EXPECT_NE(gone.get().message().find("stopped serving"), std::string::npos) << "not taken for a crash";
+}
+
 TEST_F(HandoffEndpointTest, GarbageEarlyCloseAndSilenceAreReportedAndListeningGoesOn) {
   StartEndpoint({.reply_timeout = absl::Milliseconds(100)});
   {  // garbage
