@@ -519,7 +519,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
                           : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", last_word->error));
     } else if (res == -ECANCELED) {
       why = absl::CancelledError("the agent stopped watching the server");
-    } else if (res == 0) {
+    } else if (res == 0 || res == -ECONNRESET) {  // (a reset: it went with an answer of ours unread)
       why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
     } else if (res < 0) {
       why = absl::UnavailableError(absl::StrCat("the FUSE server's connection failed (", strerror(-res),
