@@ -4,7 +4,6 @@
 
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace fusekeeper {
@@ -48,10 +47,7 @@ absl::StatusOr<int32_t> BackingClient::Open(int fd, std::chrono::milliseconds ti
   }
   // Refusals that say passthrough cannot work on this connection: asking again would only cost
   // every open a round trip.
-  if (absl::StrContains(reply.error, "brokers no passthrough") ||
-      absl::StrContains(reply.error, "did not negotiate passthrough")) {
-    enabled_ = false;
-  }
+  if (IsFinalBackingRefusal(reply.error)) enabled_ = false;
   return absl::FailedPreconditionError(reply.error);
 }
 

@@ -380,19 +380,16 @@ void MaybePassthrough(fuse_req_t req, fuse_ino_t ino, int fd, fuse_file_info* fi
     io->pending = ReplayIo::Pending{fh, shared};
     return;
   }
+  // Served the ordinary way, and recorded so (a full table: direct I/O, allowed beside both).
+  auto ordinary = [&] {
+    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
+  };
   // Beside a file of it open the ordinary way, an open must be that way too (the kernel refuses
-  // passthrough beside a cached open: EIO).
-  if (io->table->HasCachedOpens(ino)) {
-    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
-    return;
-  }
-  if (!io->register_backing) {
-    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
-    return;
-  }
+  // passthrough beside a cached open: EIO); and none is registered with passthrough turned off.
+  if (io->table->HasCachedOpens(ino) || !io->register_backing) return ordinary();
   auto id = io->backing->Open(fd);
-  if (!id.ok()) {  // served the ordinary way
-    if (!io->table->Add(fh, ino, BackingTable::kCached)) fi->direct_io = 1;
+  if (!id.ok()) {
+    ordinary();
     if (!io->said_refused) {
       io->said_refused = true;
       fprintf(stderr, "fkserve: passthrough: the agent did not register a file (%s); such opens are served the "

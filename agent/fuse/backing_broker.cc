@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "agent/base/status.h"
+#include "agent/fuse/handoff_protocol.h"  // kRefusalNotNegotiated
 #include "agent/fuse/passthrough_abi.h"
 #include "glog/logging.h"
 
@@ -173,7 +174,7 @@ void BackingBroker::Open(int conn, UniqueFd file, const ServerIdentity& who,
         const int e = id < 0 ? errno : EIO;
         const absl::Status s = ErrnoStatus(e, "FUSE_DEV_IOC_BACKING_OPEN");
         result = absl::Status(s.code(), absl::StrCat(s.message(),
-                                                     e == EPERM   ? " (the connection did not negotiate passthrough)"
+                                                     e == EPERM   ? absl::StrCat(" (", kRefusalNotNegotiated, ")")
                                                      : e == ELOOP ? " (the file is on a stacked file system)"
                                                                   : ""));
       }

@@ -7,7 +7,6 @@
 #include <fcntl.h>
 #include <sys/socket.h>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/fuse/handoff_endpoint_internal.h"
 #include "glog/logging.h"
@@ -24,15 +23,21 @@ void HandoffEndpoint::ReplyBacking(Connection* c, const BackingReply& reply) {
   }
 }
 
+absl::Status HandoffEndpoint::KnowIdentity(Connection* c) {
+  if (c->identity) return absl::OkStatus();
+  auto who = PeerIdentity(c->fd.get());
+  if (!who.ok()) return who.status();
+  c->identity = *who;
+  return absl::OkStatus();
+}
+
 void HandoffEndpoint::RefuseBacking(Connection* c, uint64_t id, const std::string& why) {
   ++backing_refused_;
   LOG(WARNING) << "volume " << config_.volume_id << ": passthrough request of " << c->Peer() << " refused: " << why;
   ReplyBacking(c, BackingReply{id, 0, why});
   // (Not for what is as configured: a connection whose first server did not ask for passthrough,
   // or an agent that brokers none.)
-  const bool as_configured =
-      absl::StrContains(why, "did not negotiate passthrough") || absl::StrContains(why, "brokers no passthrough");
-  if (!as_configured && !c->backing_refusal_reported && c == serving_connection_ && events_.on_backing_refused) {
+  if (!IsFinalBackingRefusal(why) && !c->backing_refusal_reported && c == serving_connection_ && events_.on_backing_refused) {
     c->backing_refusal_reported = true;
     events_.on_backing_refused(why);
   }
@@ -40,7 +45,7 @@ void HandoffEndpoint::RefuseBacking(Connection* c, uint64_t id, const std::strin
 
 void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req, std::vector<UniqueFd> fds) {
   auto refuse = [&](const std::string& why) { RefuseBacking(c, req.id, why); };
-  if (options_.broker == nullptr) return refuse("this agent brokers no passthrough");
+  if (options_.broker == nullptr) return refuse(kRefusalNoBroker);
   if (c != serving_connection_) return refuse("only the server serving the volume may register backing files");
   if (!fuse_fd_) return refuse("the agent holds no copy of the volume's connection yet (it restarted; re-deposit first)");
   if (req.open && fds.size() != 1) return refuse("a backing_open request carries exactly one file descriptor");
@@ -57,11 +62,7 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
   if (!req.open && backing_ids_complete_ && backing_ids_.count(req.backing_id) == 0) {
     return refuse(absl::StrCat("backing id ", req.backing_id, " is not one this volume's servers registered"));
   }
-  if (!c->identity) {
-    auto who = PeerIdentity(c->fd.get());
-    if (!who.ok()) return refuse(std::string(who.status().message()));
-    c->identity = *who;
-  }
+  if (absl::Status s = KnowIdentity(c); !s.ok()) return refuse(std::string(s.message()));
   ++c->backing_in_flight;
   auto self = shared_from_this();
   if (req.open) {
@@ -110,14 +111,10 @@ void HandoffEndpoint::ServerLeftBackingIds(Connection* c) {
   }
   // (A server that only shared its predecessors' ids never asked anything: who it was is still on
   // its socket, which keeps the peer's credentials after the peer is gone.)
-  if (!c->identity) {
-    auto who = PeerIdentity(c->fd.get());
-    if (!who.ok()) {
-      LOG(WARNING) << "volume " << config_.volume_id << ": cannot close the backing files registered on its connection ("
-                   << who.status() << "); they stay registered until the connection ends";
-      return;
-    }
-    c->identity = *who;
+  if (absl::Status s = KnowIdentity(c); !s.ok()) {
+    LOG(WARNING) << "volume " << config_.volume_id << ": cannot close the backing files registered on its connection ("
+                 << s << "); they stay registered until the connection ends";
+    return;
   }
   CloseBackingIds(*c->identity, "its stopped server left them registered and deposited no table of them");
 }

@@ -263,6 +263,12 @@ std::optional<HandoffReply> LastWordAfterReset(int fd) {
   return last;
 }
 
+// What a serving server's final HandoffReply says of its end.
+absl::Status StoppedBecause(const HandoffReply& last) {
+  return last.ok ? absl::UnavailableError("the FUSE server stopped serving")
+                 : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", last.error));
+}
+
 // Whether the peer of socket `fd` has closed it. Never waits.
 bool HungUp(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
@@ -465,7 +471,7 @@ void HandoffEndpoint::AwaitReply(Connection* c) {
     if (reply->relay_state) KeepRelayState(c, fds.size() == 1 && !other_control ? std::move(fds[0]) : UniqueFd());
     // Backing ids a predecessor left for a successor that keeps no state: nobody can name them.
     if (!relay_state_.valid() && !backing_ids_.empty()) {
-      if (auto who = PeerIdentity(c->fd.get()); who.ok()) CloseBackingIds(*who, "its successor keeps no table of them");
+      if (KnowIdentity(c).ok()) CloseBackingIds(*c->identity, "its successor keeps no table of them");
     }
     Finish(c, absl::OkStatus(), *reply);
   };
@@ -515,8 +521,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
     std::optional<HandoffReply> last_word;
     if (res == -ECONNRESET) last_word = LastWordAfterReset(c->fd.get());
     if (last_word) {
-      why = last_word->ok ? absl::UnavailableError("the FUSE server stopped serving")
-                          : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", last_word->error));
+      why = StoppedBecause(*last_word);
     } else if (res == -ECANCELED) {
       why = absl::CancelledError("the agent stopped watching the server");
     } else if (res == 0 || res == -ECONNRESET) {  // (a reset: it went with an answer of ours unread)
@@ -541,9 +546,7 @@ void HandoffEndpoint::WatchServer(Connection* c) {
         ArmServerReceive(c);  // (the callback stays: it is the one running)
         return;
       }
-      why = !reply.ok()  ? reply.status()
-            : reply->ok  ? absl::UnavailableError("the FUSE server stopped serving")
-                         : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", reply->error));
+      why = reply.ok() ? StoppedBecause(*reply) : reply.status();
     }
     if (c == serving_connection_) ServerLeftBackingIds(c);
     c->alive.End();  // a registration still on its way is closed when it comes back

@@ -194,6 +194,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // A passthrough request of the serving server (handoff_backing.cc): answered on its connection.
   void OnBackingRequest(Connection* c, const BackingRequest& req, std::vector<UniqueFd> fds);
   void ReplyBacking(Connection* c, const BackingReply& reply);
+  // Who the server at the other end of c is (its socket's peer credentials), once.
+  absl::Status KnowIdentity(Connection* c);
   // A refusal of c's request: counted, logged, answered, and the first one of c reported.
   void RefuseBacking(Connection* c, uint64_t id, const std::string& why);
   // The serving server c stopped: the backing ids registered on the connection are kept for its

@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "agent/base/json.h"
 #include "agent/base/status.h"
@@ -268,6 +269,10 @@ bool IsMemfd(int fd) {
   char link[64];
   const ssize_t n = readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
   return n > 7 && memcmp(link, "/memfd:", 7) == 0;
+}
+
+bool IsFinalBackingRefusal(absl::string_view error) {
+  return absl::StrContains(error, kRefusalNoBroker) || absl::StrContains(error, kRefusalNotNegotiated);
 }
 
 std::string EncodeBackingRequest(const BackingRequest& r) {

@@ -161,6 +161,12 @@ struct BackingReply {
   int32_t backing_id = 0;
   std::string error;  // empty: done
 };
+// The refusals that cannot change for a connection (the agent brokers nothing; the connection's
+// first server did not negotiate passthrough): the agent words them so, and a server that gets
+// one stops asking (IsFinalBackingRefusal).
+inline constexpr char kRefusalNoBroker[] = "this agent brokers no passthrough";
+inline constexpr char kRefusalNotNegotiated[] = "the connection did not negotiate passthrough";
+bool IsFinalBackingRefusal(absl::string_view error);
 std::string EncodeBackingRequest(const BackingRequest& r);
 // nullopt: `json` is not a backing request (another message); an error: a malformed one.
 absl::StatusOr<std::optional<BackingRequest>> DecodeBackingRequest(absl::string_view json);
