@@ -10,7 +10,6 @@
 //
 // Prints the response as JSON on stdout. On an RPC error prints "<CODE>: <message>" on stderr and
 // exits with the numeric gRPC status code (always non-zero); usage errors exit 64.
-#include <curl/curl.h>
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -19,8 +18,13 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/time/time.h"
+#include "agent/kube/api_config.h"
+#include "agent/kube/blocking_api_client.h"
 #include "agent/kube/event_recorder.h"
 #include "agent/serverpod/api_objects.h"
 #include "agent/serverpod/pod_manifest.h"
@@ -60,13 +64,6 @@ using google::protobuf::Message;
 
 constexpr int kUsageError = 64;
 
-size_t Append(char* data, size_t size, size_t n, void* out) {
-  auto* s = static_cast<std::string*>(out);
-  if (s->size() + size * n > (64u << 20)) return 0;  // a bound on what the answer may be
-  s->append(data, size * n);
-  return size * n;
-}
-
 // `fkctl ServerPods`: one GET of the managed-by selector, printed as a table.
 int ListServerPods() {
   auto api = fusekeeper::InClusterConfig(FLAGS_kube_secrets_dir);
@@ -74,44 +71,26 @@ int ListServerPods() {
     std::cerr << "ServerPods needs the API server: " << api.status().message() << "\n";
     return static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION);
   }
-  std::string token;
-  {
-    std::ifstream in(api->token_file);
-    std::getline(in, token);
-  }
-  const std::string url = api->base_url + "/api/v1/namespaces/" + FLAGS_server_namespace +
-                          "/pods?labelSelector=" + fusekeeper::kManagedByLabel + "%3D" + fusekeeper::kManagedBy;
-  CURL* curl = curl_easy_init();
-  if (curl == nullptr) return static_cast<int>(grpc::StatusCode::INTERNAL);
-  std::string body;
-  curl_slist* headers = curl_slist_append(nullptr, "Accept: application/json");
-  if (!token.empty()) headers = curl_slist_append(headers, ("Authorization: Bearer " + token).c_str());
-  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
-  curl_easy_setopt(curl, CURLOPT_CAINFO, api->ca_file.c_str());
-  curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(FLAGS_timeout_ms));
-  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "https");
-  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, Append);
-  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &body);
-  const CURLcode rc = curl_easy_perform(curl);
-  long status = 0;
-  curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
-  curl_slist_free_all(headers);
-  curl_easy_cleanup(curl);
+  const fusekeeper::BlockingApiClient client({.base_url = api->base_url,
+                                              .ca_file = api->ca_file,
+                                              .token_file = api->token_file,
+                                              .timeout = absl::Milliseconds(FLAGS_timeout_ms)});
+  auto answer = client.Get("/api/v1/namespaces/" + FLAGS_server_namespace + "/pods?labelSelector=" +
+                           fusekeeper::kManagedByLabel + "%3D" + fusekeeper::kManagedBy);
   const std::string where = "the server pods in namespace " + FLAGS_server_namespace + " (" + api->base_url + ")";
-  if (rc != CURLE_OK) {
-    std::cerr << "listing " << where << ": " << curl_easy_strerror(rc) << "\n";
+  if (!answer.ok()) {
+    std::cerr << "listing " << where << ": " << answer.status().message() << "\n";
     return static_cast<int>(grpc::StatusCode::UNAVAILABLE);
   }
+  const long status = answer->status;
   if (status != 200) {
-    const std::string said = fusekeeper::ApiMessage(body);
+    const std::string said = fusekeeper::ApiMessage(answer->body);
     std::cerr << "listing " << where << ": HTTP " << status << (said.empty() ? "" : ": " + said)
               << (status == 401 || status == 403 ? " (the service account needs pods list there)" : "") << "\n";
     return static_cast<int>(status == 401 || status == 403 ? grpc::StatusCode::PERMISSION_DENIED
                                                            : grpc::StatusCode::UNAVAILABLE);
   }
-  auto pods = fusekeeper::ParseServerPodList(body);
+  auto pods = fusekeeper::ParseServerPodList(answer->body);
   if (!pods.ok()) {
     std::cerr << "listing " << where << ": " << pods.status().message() << "\n";
     return static_cast<int>(grpc::StatusCode::INTERNAL);
@@ -201,32 +180,10 @@ int Call(Stub* stub,
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  gflags::SetVersionString(fusekeeper::kVersion);
-  gflags::SetUsageMessage(
-      "fkctl [flags] <RPC>\nRPCs: GetPluginInfo GetPluginCapabilities Probe NodeGetInfo "
-      "NodeGetCapabilities NodeStageVolume NodeUnstageVolume NodePublishVolume "
-      "NodeUnpublishVolume NodeGetVolumeStats NodeExpandVolume\n"
-      "and ServerPods (the server pods of every node, from the API server)");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
-  if (argc != 2) {
-    std::cerr << gflags::ProgramUsage() << "\n";
-    return kUsageError;
-  }
-  const std::string rpc = argv[1];
-  if (rpc == "ServerPods") return ListServerPods();
-  std::string endpoint = FLAGS_endpoint;
-  if (endpoint.empty() && std::getenv("CSI_ENDPOINT") != nullptr) endpoint = std::getenv("CSI_ENDPOINT");
-  if (endpoint.empty()) endpoint = "unix:///csi/csi.sock";
-  // gRPC's target syntax for a unix socket path is unix:/path or unix:///path.
-  if (endpoint.rfind("unix:", 0) != 0) endpoint = "unix:" + endpoint;
-  auto channel = grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials());
+// The Identity RPC named `rpc` and its exit code; nullopt if `rpc` is no Identity RPC.
+std::optional<int> CallIdentity(const std::string& rpc, const std::shared_ptr<grpc::Channel>& channel) {
   auto identity = csi::v1::Identity::NewStub(channel);
-  auto node = csi::v1::Node::NewStub(channel);
   using IStub = csi::v1::Identity::Stub;
-  using NStub = csi::v1::Node::Stub;
   namespace v1 = csi::v1;
 
   if (rpc == "GetPluginInfo") {
@@ -241,6 +198,15 @@ int main(int argc, char** argv) {
     return Call<v1::ProbeRequest, v1::ProbeResponse>(identity.get(), &IStub::Probe,
                                                      [](auto*) { return true; });
   }
+  return std::nullopt;
+}
+
+// The Node RPC named `rpc` and its exit code; nullopt if `rpc` is no Node RPC.
+std::optional<int> CallNode(const std::string& rpc, const std::shared_ptr<grpc::Channel>& channel) {
+  auto node = csi::v1::Node::NewStub(channel);
+  using NStub = csi::v1::Node::Stub;
+  namespace v1 = csi::v1;
+
   if (rpc == "NodeGetInfo") {
     return Call<v1::NodeGetInfoRequest, v1::NodeGetInfoResponse>(
         node.get(), &NStub::NodeGetInfo, [](auto*) { return true; });
@@ -309,6 +275,33 @@ int main(int argc, char** argv) {
           return FillMap("secrets", FLAGS_secrets, r->mutable_secrets());
         });
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetVersionString(fusekeeper::kVersion);
+  gflags::SetUsageMessage(
+      "fkctl [flags] <RPC>\nRPCs: GetPluginInfo GetPluginCapabilities Probe NodeGetInfo "
+      "NodeGetCapabilities NodeStageVolume NodeUnstageVolume NodePublishVolume "
+      "NodeUnpublishVolume NodeGetVolumeStats NodeExpandVolume\n"
+      "and ServerPods (the server pods of every node, from the API server)");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (argc != 2) {
+    std::cerr << gflags::ProgramUsage() << "\n";
+    return kUsageError;
+  }
+  const std::string rpc = argv[1];
+  if (rpc == "ServerPods") return ListServerPods();
+  std::string endpoint = FLAGS_endpoint;
+  if (endpoint.empty() && std::getenv("CSI_ENDPOINT") != nullptr) endpoint = std::getenv("CSI_ENDPOINT");
+  if (endpoint.empty()) endpoint = "unix:///csi/csi.sock";
+  // gRPC's target syntax for a unix socket path is unix:/path or unix:///path.
+  if (endpoint.rfind("unix:", 0) != 0) endpoint = "unix:" + endpoint;
+  auto channel = grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials());
+  if (auto code = CallIdentity(rpc, channel)) return *code;
+  if (auto code = CallNode(rpc, channel)) return *code;
   std::cerr << "unknown RPC '" << rpc << "'\n" << gflags::ProgramUsage() << "\n";
   return kUsageError;
 }

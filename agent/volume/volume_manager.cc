@@ -157,19 +157,7 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
   const std::string volume_id = claim.volume_id();
   const std::string target = claim.target();
   if (job.before) {
-    auto before = std::move(job.before);
-    job.before = nullptr;
-    auto rest = std::make_shared<std::tuple<Claim, KindJob, absl::AnyInvocable<void(absl::Status)>>>(
-        std::move(claim), std::move(job), std::move(done));
-    before([this, rest, answer_from_pool](absl::Status s) mutable {
-      auto& [claim, job, done] = *rest;
-      if (!s.ok()) {
-        claim.Release();
-        if (done) done(std::move(s));
-        return;
-      }
-      RunJob(std::move(claim), std::move(job), std::move(done), answer_from_pool);
-    });
+    RunBefore(std::move(claim), std::move(job), std::move(done), answer_from_pool);
     return;
   }
   if (!job.work) {
@@ -196,18 +184,7 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
   auto finish = [this, volume_id, target, job_number](const std::shared_ptr<Running>& r, bool answer) {
     const absl::Status outcome = r->result.status();
     if (!outcome.ok() && r->undo) r->undo();
-    if (outcome.ok()) {
-      VolumeChange change = (*r->result)();
-      if (!target.empty() && change.what == VolumeChange::kSet) {
-        // Work on one target of a staged volume, beside others: only that target is taken
-        // from the job's copy (see Publish).
-        RecordTarget(volume_id, change.volume, target);
-      } else if (change.what == VolumeChange::kSet) {
-        volumes_[volume_id] = std::move(change.volume);
-      } else if (change.what == VolumeChange::kErase) {
-        volumes_.erase(volume_id);
-      }
-    }
+    if (outcome.ok()) RecordChange(volume_id, target, (*r->result)());
     running_claims_.erase(job_number);
     if (answer && r->done) r->done(outcome);
   };
@@ -240,6 +217,37 @@ void VolumeManager::RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(abs
     if (r->undo) r->undo();
     running_claims_.erase(job_number);
     if (r->done) r->done(s);
+  }
+}
+
+// A job's before-step runs first (on the loop, asynchronously); the job goes on only if it
+// succeeded, and otherwise ends with its error and its claim released.
+void VolumeManager::RunBefore(Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done,
+                              bool answer_from_pool) {
+  auto before = std::move(job.before);
+  job.before = nullptr;
+  auto rest = std::make_shared<std::tuple<Claim, KindJob, absl::AnyInvocable<void(absl::Status)>>>(
+      std::move(claim), std::move(job), std::move(done));
+  before([this, rest, answer_from_pool](absl::Status s) mutable {
+    auto& [claim, job, done] = *rest;
+    if (!s.ok()) {
+      claim.Release();
+      if (done) done(std::move(s));
+      return;
+    }
+    RunJob(std::move(claim), std::move(job), std::move(done), answer_from_pool);
+  });
+}
+
+void VolumeManager::RecordChange(const std::string& volume_id, const std::string& target, VolumeChange change) {
+  if (!target.empty() && change.what == VolumeChange::kSet) {
+    // Work on one target of a staged volume, beside others: only that target is taken from the
+    // job's copy (see Publish).
+    RecordTarget(volume_id, change.volume, target);
+  } else if (change.what == VolumeChange::kSet) {
+    volumes_[volume_id] = std::move(change.volume);
+  } else if (change.what == VolumeChange::kErase) {
+    volumes_.erase(volume_id);
   }
 }
 
@@ -383,51 +391,62 @@ void VolumeManager::Publish(const csi::v1::NodePublishVolumeRequest& req, Done d
   WithClaim(req.volume_id(), scope, req, std::move(done), &VolumeManager::PublishClaimed);
 }
 
+// Which kind publishes `req` and with what spec: the staged volume's (`recorded`), or the
+// request's own for a volume published without staging. `recorded` is the volume as recorded,
+// or null. An error says why the request cannot be published.
+absl::StatusOr<VolumeManager::PublishPlan> VolumeManager::PublishSpec(const csi::v1::NodePublishVolumeRequest& req,
+                                                                     state::Volume* recorded) const {
+  const std::string& id = req.volume_id();
+  PublishPlan plan;
+  if (!req.staging_target_path().empty()) {
+    if (recorded == nullptr || recorded->staging_path().empty()) {
+      return absl::NotFoundError(absl::StrCat("volume ", id, " is not staged on this node"));
+    }
+    if (recorded->staging_path() != req.staging_target_path()) {
+      return absl::FailedPreconditionError(absl::StrCat("volume ", id, " is staged at ",
+                                                      recorded->staging_path(), ", not at ",
+                                                      req.staging_target_path()));
+    }
+    plan.kind = &KindOf(*recorded);
+    plan.spec = StagedSpec(*recorded, std::string(plan.kind->name()));
+    if (auto s = plan.kind->CheckPublish(req, recorded, plan.spec, &plan.read_only); !s.ok()) return s;
+  } else {
+    auto k = KindFor(req.volume_context());
+    if (!k.ok()) return k.status();
+    plan.kind = *k;
+    auto parsed = RequestSpec(*plan.kind, req.volume_context(), req.volume_capability(), /*staged=*/false);
+    if (!parsed.ok()) return parsed.status();
+    plan.spec = std::move(*parsed);
+    if (auto s = plan.kind->CheckPublish(req, nullptr, plan.spec, &plan.read_only); !s.ok()) return s;
+    if (recorded != nullptr && !recorded->staging_path().empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "volume ", id, " is staged at ", recorded->staging_path(),
+          "; NodePublishVolume must pass that staging_target_path"));
+    }
+    if (recorded != nullptr && (recorded->kind() != plan.spec.kind() || recorded->host_path() != plan.spec.host_path() ||
+                                recorded->host_path_type() != plan.spec.host_path_type())) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("volume ", id, " is already published with a different volume_context"));
+    }
+  }
+  return plan;
+}
+
 void VolumeManager::PublishClaimed(Claim claim, const csi::v1::NodePublishVolumeRequest& req, Done done) {
   const std::string& id = req.volume_id();
   const std::string& target = req.target_path();
   if (auto rel = kubelet_.Relative(target, "target_path"); !rel.ok()) return done(rel.status());
-  const bool staged = !req.staging_target_path().empty();
-  if (staged) {
+  if (!req.staging_target_path().empty()) {
     if (auto rel = kubelet_.Relative(req.staging_target_path(), "staging_target_path"); !rel.ok()) {
       return done(rel.status());
     }
   }
   auto it = volumes_.find(id);
-  VolumeKind* kind = nullptr;
-  state::Spec spec;
-  bool read_only = false;
-  if (staged) {
-    if (it == volumes_.end() || it->second.staging_path().empty()) {
-      return done(absl::NotFoundError(absl::StrCat("volume ", id, " is not staged on this node")));
-    }
-    if (it->second.staging_path() != req.staging_target_path()) {
-      return done(absl::FailedPreconditionError(absl::StrCat("volume ", id, " is staged at ",
-                                                             it->second.staging_path(), ", not at ",
-                                                             req.staging_target_path())));
-    }
-    kind = &KindOf(it->second);
-    spec = StagedSpec(it->second, std::string(kind->name()));
-    if (auto s = kind->CheckPublish(req, &it->second, spec, &read_only); !s.ok()) return done(s);
-  } else {
-    auto k = KindFor(req.volume_context());
-    if (!k.ok()) return done(k.status());
-    kind = *k;
-    auto parsed = RequestSpec(*kind, req.volume_context(), req.volume_capability(), /*staged=*/false);
-    if (!parsed.ok()) return done(parsed.status());
-    spec = std::move(*parsed);
-    if (auto s = kind->CheckPublish(req, nullptr, spec, &read_only); !s.ok()) return done(s);
-    if (it != volumes_.end() && !it->second.staging_path().empty()) {
-      return done(absl::FailedPreconditionError(absl::StrCat(
-          "volume ", id, " is staged at ", it->second.staging_path(),
-          "; NodePublishVolume must pass that staging_target_path")));
-    }
-    if (it != volumes_.end() && (it->second.kind() != spec.kind() || it->second.host_path() != spec.host_path() ||
-                                 it->second.host_path_type() != spec.host_path_type())) {
-      return done(absl::AlreadyExistsError(
-          absl::StrCat("volume ", id, " is already published with a different volume_context")));
-    }
-  }
+  auto plan = PublishSpec(req, it == volumes_.end() ? nullptr : &it->second);
+  if (!plan.ok()) return done(plan.status());
+  VolumeKind* kind = plan->kind;
+  const state::Spec& spec = plan->spec;
+  const bool read_only = plan->read_only;
   const std::string fp = RequestFingerprint(spec, req.volume_capability(), req.readonly(), req.staging_target_path());
   std::string owner;
   const state::Target* existing = FindTargetOwner(target, &owner);

@@ -154,6 +154,12 @@ class VolumeManager final : public VolumeHost {
   void StageClaimed(Claim claim, const csi::v1::NodeStageVolumeRequest& req, Done done);
   void UnstageClaimed(Claim claim, const csi::v1::NodeUnstageVolumeRequest& req, Done done);
   void PublishClaimed(Claim claim, const csi::v1::NodePublishVolumeRequest& req, Done done);
+  struct PublishPlan {
+    VolumeKind* kind = nullptr;
+    state::Spec spec;
+    bool read_only = false;
+  };
+  absl::StatusOr<PublishPlan> PublishSpec(const csi::v1::NodePublishVolumeRequest& req, state::Volume* recorded) const;
   void UnpublishClaimed(Claim claim, const csi::v1::NodeUnpublishVolumeRequest& req, Done done);
   // Records what `from` (a job's copy of the volume) says of target `path` into the volume.
   void RecordTarget(const std::string& volume_id, const state::Volume& from, const std::string& path);
@@ -172,6 +178,10 @@ class VolumeManager final : public VolumeHost {
   // claim changes only that target of the recorded volume. The claim stays on the loop thread
   // (in running_claims_) while the job runs on the pool, and ends there after its outcome.
   void RunJob(Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool);
+  // RunJob's first step when the job has a before-step.
+  void RunBefore(Claim claim, KindJob job, absl::AnyInvocable<void(absl::Status)> done, bool answer_from_pool);
+  // Records what a finished job says of the volume (of `target` only, when it worked on one).
+  void RecordChange(const std::string& volume_id, const std::string& target, VolumeChange change);
   const state::Target* FindTargetOwner(const std::string& path, std::string* owner) const;
   // ALREADY_EXISTS if `path` is, contains or lies inside any path of any volume (other than the
   // same path of `volume_id` itself: a repeat). `field` names it in the message.

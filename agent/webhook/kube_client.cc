@@ -1,9 +1,6 @@
 #include "agent/webhook/kube_client.h"
 
-#include <httplib.h>
-
-#include <fstream>
-#include <sstream>
+#include <cctype>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -16,33 +13,6 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string ReadToken(const std::string& file) {
-  if (file.empty()) return "";
-  std::ifstream in(file);
-  std::stringstream s;
-  s << in.rdbuf();
-  std::string t = s.str();
-  while (!t.empty() && (t.back() == '\n' || t.back() == '\r' || t.back() == ' ')) t.pop_back();
-  return t;
-}
-
-std::unique_ptr<httplib::Client> Connect(const KubeClientOptions& o) {
-  auto c = std::make_unique<httplib::Client>(o.base_url);
-  if (!o.ca_file.empty()) c->set_ca_cert_path(o.ca_file.c_str());
-  c->enable_server_certificate_verification(true);
-  const auto timeout = absl::ToChronoMilliseconds(o.timeout);
-  c->set_connection_timeout(timeout);
-  c->set_read_timeout(timeout);
-  c->set_write_timeout(timeout);
-  if (const std::string token = ReadToken(o.token_file); !token.empty()) c->set_bearer_token_auth(token.c_str());
-  return c;
-}
-
-absl::StatusOr<KubeResponse> Answer(const httplib::Result& r, const std::string& what) {
-  if (!r) return absl::UnavailableError(absl::StrCat(what, ": ", httplib::to_string(r.error())));
-  return KubeResponse{r->status, r->body};
-}
-
 std::string Escape(const std::string& name) {
   // Object names are DNS subdomains; anything else cannot name an object and must not make a path.
   for (char c : name) {
@@ -52,17 +22,6 @@ std::string Escape(const std::string& name) {
 }
 
 }  // namespace
-
-absl::StatusOr<KubeResponse> KubeClient::Get(const std::string& path) const {
-  auto c = Connect(options_);
-  return Answer(c->Get(path.c_str()), absl::StrCat("GET ", options_.base_url, path));
-}
-
-absl::StatusOr<KubeResponse> KubeClient::Patch(const std::string& path, const std::string& body,
-                                               const std::string& content_type) const {
-  auto c = Connect(options_);
-  return Answer(c->Patch(path.c_str(), body, content_type.c_str()), absl::StrCat("PATCH ", options_.base_url, path));
-}
 
 absl::StatusOr<bool> ClaimLookup::Look(const std::string& ns, const std::string& claim) const {
   const std::string n = Escape(ns), c = Escape(claim);
@@ -121,7 +80,7 @@ ClaimInfo ClaimLookup::Resolve(const std::string& ns, const std::vector<std::str
   return info;
 }
 
-absl::StatusOr<bool> HasNativeSidecars(const KubeClient& client) {
+absl::StatusOr<bool> HasNativeSidecars(const BlockingApiClient& client) {
   auto got = client.Get("/version");
   if (!got.ok()) return got.status();
   if (got->status != 200) return absl::UnavailableError(absl::StrCat("GET /version: HTTP ", got->status));

@@ -150,7 +150,7 @@ absl::Status LoadFiles(CertStore& store) {
 }
 
 // Puts `ca_pem` in the caBundle of every webhook of the configuration. Retried by the caller.
-absl::Status PatchCaBundle(const KubeClient& kube, const std::string& config, const std::string& ca_pem) {
+absl::Status PatchCaBundle(const BlockingApiClient& kube, const std::string& config, const std::string& ca_pem) {
   const std::string path = absl::StrCat("/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/", config);
   auto got = kube.Get(path);
   if (!got.ok()) return got.status();
@@ -196,7 +196,7 @@ absl::Status PolicyFromFlags(Policy* policy) {
 }
 
 // --native_sidecars=auto asks the API server's version.
-bool NativeSidecars(const KubeClient* kube) {
+bool NativeSidecars(const BlockingApiClient* kube) {
   if (FLAGS_native_sidecars != "auto") return FLAGS_native_sidecars == "true";
   absl::StatusOr<bool> native = kube ? HasNativeSidecars(*kube) : absl::UnavailableError("no API server (--kube_api)");
   LOG_IF(WARNING, !native.ok()) << "cannot tell whether the cluster runs native sidecars (" << native.status()
@@ -212,7 +212,7 @@ bool NativeSidecars(const KubeClient* kube) {
 class CertRenewer {
  public:
   // INVALID_ARGUMENT / INTERNAL if no certificate can be served at all.
-  absl::Status Start(CertStore& certs, const KubeClient* kube) {
+  absl::Status Start(CertStore& certs, const BlockingApiClient* kube) {
     if (!FLAGS_tls_cert_file.empty()) {
       if (auto s = LoadFiles(certs); !s.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("--tls_cert_file/--tls_key_file: ", s.message()));
@@ -256,7 +256,7 @@ class CertRenewer {
       LOG_IF(WARNING, !s.ok()) << "renewed certificate files not usable yet: " << s;
     }
   }
-  void KeepOwn(CertStore& certs, const KubeClient* kube, const KeyAndCert& ca, const std::vector<std::string>& names,
+  void KeepOwn(CertStore& certs, const BlockingApiClient* kube, const KeyAndCert& ca, const std::vector<std::string>& names,
                absl::Duration validity) {
     bool bundle_done = FLAGS_webhook_config_name.empty() || kube == nullptr;
     LOG_IF(WARNING, !FLAGS_webhook_config_name.empty() && kube == nullptr)
@@ -352,9 +352,9 @@ int Main() {
     LOG(ERROR) << "--listen must be host:port or :port, not " << FLAGS_listen;
     return 2;
   }
-  std::unique_ptr<KubeClient> kube;
+  std::unique_ptr<BlockingApiClient> kube;
   if (!FLAGS_kube_api.empty()) {
-    kube = std::make_unique<KubeClient>(KubeClientOptions{.base_url = FLAGS_kube_api,
+    kube = std::make_unique<BlockingApiClient>(BlockingApiOptions{.base_url = FLAGS_kube_api,
                                                           .ca_file = FLAGS_kube_secrets_dir + "/ca.crt",
                                                           .token_file = FLAGS_kube_secrets_dir + "/token"});
   }
