@@ -17,7 +17,7 @@ void HandoffEndpoint::ReplyBacking(Connection* c, const BackingReply& reply) {
   const std::string msg = EncodeBackingReply(reply);
   // Small, and the server reads its connection all the time: never waits (a server that lets its
   // socket fill up gets no more answers, and its opens fail its own way).
-  if (send(c->fd.get(), msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL) != static_cast<ssize_t>(msg.size())) {
+  if (!c->peer.SendNow(msg)) {
     LOG(WARNING) << "volume " << config_.volume_id << ": cannot answer " << c->Peer() << "'s passthrough request: "
                  << strerror(errno);
   }
@@ -25,7 +25,7 @@ void HandoffEndpoint::ReplyBacking(Connection* c, const BackingReply& reply) {
 
 absl::Status HandoffEndpoint::KnowIdentity(Connection* c) {
   if (c->identity) return absl::OkStatus();
-  auto who = PeerIdentity(c->fd.get());
+  auto who = PeerIdentity(c->peer.fd());
   if (!who.ok()) return who.status();
   c->identity = *who;
   return absl::OkStatus();
@@ -64,11 +64,10 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
   }
   if (absl::Status s = KnowIdentity(c); !s.ok()) return refuse(std::string(s.message()));
   ++c->backing_in_flight;
-  auto self = shared_from_this();
   if (req.open) {
     options_.broker->Open(
         fuse_fd_.get(), std::move(fds[0]), *c->identity,
-        [this, self, c, alive = c->alive.token(), id = req.id, who = *c->identity,
+        [this, hold = pending_.HoldOne(), c, alive = c->alive.token(), id = req.id, who = *c->identity,
          generation = connection_generation_](absl::StatusOr<int32_t> r) {
           if (!alive.alive() || generation != connection_generation_) {
             // The server (or the connection) went while its file was being registered: nobody
@@ -94,7 +93,7 @@ void HandoffEndpoint::OnBackingRequest(Connection* c, const BackingRequest& req,
   }
   backing_ids_.erase(req.backing_id);
   options_.broker->Close(fuse_fd_.get(), req.backing_id, *c->identity,
-                         [this, self, c, alive = c->alive.token(), id = req.id](absl::Status s) {
+                         [this, hold = pending_.HoldOne(), c, alive = c->alive.token(), id = req.id](absl::Status s) {
                            if (!alive.alive()) return;
                            --c->backing_in_flight;
                            ReplyBacking(c, BackingReply{id, 0, s.ok() ? "" : std::string(s.message())});

@@ -26,101 +26,70 @@
 
 namespace fusekeeper {
 
-std::shared_ptr<HandoffEndpoint> HandoffEndpoint::Start(Loop& loop, UniqueFd listen_fd,
-                                                        UniqueFd fuse_fd, MountConfig config,
-                                                        HandoffOptions options, Events events) {
-  std::shared_ptr<HandoffEndpoint> e(
-      new HandoffEndpoint(loop, std::move(fuse_fd), std::move(config), options, std::move(events)));
+HandoffEndpoint::Ptr HandoffEndpoint::Start(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config,
+                                            HandoffOptions options, Events events) {
+  Ptr e(new HandoffEndpoint(loop, std::move(fuse_fd), std::move(config), options, std::move(events)));
   e->AddListener(std::move(listen_fd), "");
   // Without a connection (an agent restart lost it) servers wait, unless the serving one
   // re-deposits it (the policy starts awaiting that).
-  if (e->fuse_fd_) e->ArmAbortWatch();
+  if (e->fuse_fd_) e->abort_watch_.Watch(e->fuse_fd_.get());
   return e;
 }
 
 HandoffEndpoint::HandoffEndpoint(Loop& loop, UniqueFd fuse_fd, MountConfig config, HandoffOptions options,
                                  Events events)
     : loop_(loop),
+      pending_(loop),
       fuse_fd_(std::move(fuse_fd)),
       config_(std::move(config)),
       options_(options),
       events_(std::move(events)),
+      abort_watch_(loop, pending_, [this] { OnAborted(); }),
       standby_fallback_(loop),
       policy_(fuse_fd_.valid()) {}
 
 HandoffEndpoint::~HandoffEndpoint() = default;
 
-void HandoffEndpoint::Arm(io_uring_sqe* sqe, Completion* completion) {
-  if (in_flight_++ == 0) keep_alive_ = shared_from_this();
-  loop_.Arm(sqe, completion);
+void HandoffEndpoint::Retire::operator()(HandoffEndpoint* e) const {
+  Loop& loop = e->loop_;
+  // Stop and the ring's cancels belong on the loop thread (until the loop has finished).
+  if (!loop.IsLoopThread() && !loop.finished() && loop.Post([e] { Retire()(e); })) return;
+  e->Stop();
+  e->pending_.Retire([e] { delete e; });
 }
 
-void HandoffEndpoint::Completed() { --in_flight_; }
-
 void HandoffEndpoint::ReleaseLater(std::unique_ptr<Connection> doomed) {
-  struct Grave {
-    std::unique_ptr<Connection> connection;
-    std::shared_ptr<HandoffEndpoint> self;
-  };
-  DeleteLater(loop_, Grave{std::move(doomed), in_flight_ == 0 ? std::move(keep_alive_) : nullptr});
+  if (doomed) DeleteLater(loop_, std::move(doomed));
 }
 
 void HandoffEndpoint::AddListener(UniqueFd listen_fd, const std::string& tag) {
   if (policy_.stopped()) return;
   RemoveListener(tag);
-  auto l = std::make_unique<Listener>();
-  l->fd = std::move(listen_fd);
-  l->tag = tag;
-  Listener* raw = l.get();
-  listeners_.push_back(std::move(l));
-  raw->accept.callback = [this, raw](int32_t res, bool) {
-    Completed();
-    raw->in_flight = false;
-    if (res >= 0) {
-      if (policy_.stopped() || raw->closed) {
-        close(res);
-      } else {
-        OnAccepted(res, raw->tag);
-      }
-    } else if (res != -ECANCELED && res != -EINTR) {
-      LOG(WARNING) << "handoff accept for volume " << config_.volume_id
-                   << (raw->tag.empty() ? "" : " on " + raw->tag) << ": " << strerror(-res);
-    }
-    if (!policy_.stopped() && !raw->closed && res != -ECANCELED && loop_.running()) {
-      ArmAccept(raw);
-    } else if (raw->closed || policy_.stopped()) {
-      // Freed after this callback (its own completion) has returned.
-      loop_.Post([self = shared_from_this(), raw] {
-        for (auto it = self->listeners_.begin(); it != self->listeners_.end(); ++it) {
-          if (it->get() == raw && !raw->in_flight) {
-            self->listeners_.erase(it);
-            return;
-          }
-        }
+  auto l = std::make_unique<HandoffListener>(
+      loop_, pending_, std::move(listen_fd), tag, "volume " + config_.volume_id,
+      [this, tag](UniqueFd fd) {
+        if (!policy_.stopped()) OnAccepted(std::move(fd), tag);
       });
-    }
-    if (in_flight_ == 0) ReleaseLater(nullptr);
-  };
-  ArmAccept(raw);
+  HandoffListener* raw = l.get();
+  raw->set_on_ended([this, raw] { ListenerEnded(raw); });
+  listeners_.push_back(std::move(l));
+  raw->Start();
   if (!tag.empty()) LOG(INFO) << "volume " << config_.volume_id << ": also listening for its server on " << tag;
 }
 
-void HandoffEndpoint::ArmAccept(Listener* l) {
-  l->in_flight = true;
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_accept(sqe, l->fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
-  Arm(sqe, &l->accept);
-}
-
-void HandoffEndpoint::CloseListener(Listener* l) {
-  l->closed = true;
-  if (l->in_flight) loop_.Cancel(&l->accept);
-  l->fd.Reset();
+void HandoffEndpoint::ListenerEnded(HandoffListener* l) {
+  for (auto it = listeners_.begin(); it != listeners_.end(); ++it) {
+    if (it->get() == l) {
+      DeleteLater(loop_, std::move(*it));  // (its own callback is the one running)
+      listeners_.erase(it);
+      return;
+    }
+  }
 }
 
 void HandoffEndpoint::RemoveListener(const std::string& tag) {
   for (auto& l : listeners_) {
-    if (l->tag == tag && !l->closed) CloseListener(l.get());
+    if (l->tag() == tag) l->Close();
   }
   for (auto it = standby_.begin(); it != standby_.end();) {
     if ((*it)->tag == tag) {
@@ -165,13 +134,12 @@ void HandoffEndpoint::MarkDraining(Connection* c) {
 
 void HandoffEndpoint::RelieveDrainer() {
   Connection* c = serving_connection_;
-  if (c == nullptr || !c->draining || c->relieved || !c->fd.valid() || standby_.empty()) return;
+  if (c == nullptr || !c->draining || c->relieved || !c->peer.open() || standby_.empty()) return;
   c->relieved = true;
   ++relieved_;
   // A few bytes on a socket with room: MSG_DONTWAIT never waits. Lost, the server stops at its
   // own deadline instead.
-  const std::string stop = EncodeStopRequest();
-  if (send(c->fd.get(), stop.data(), stop.size(), MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+  if (!c->peer.SendNow(EncodeStopRequest())) {
     LOG(WARNING) << "volume " << config_.volume_id << ": asking draining " << c->Peer() << " to stop: "
                  << strerror(errno) << "; it stops at its own deadline";
     return;
@@ -186,8 +154,7 @@ void HandoffEndpoint::PromoteStandby() {
     std::unique_ptr<Connection> c = std::move(standby_.front());
     standby_.pop_front();
     // One that hung up while it waited is dropped (nothing reads from it while it waits).
-    pollfd p{c->fd.get(), POLLIN | POLLRDHUP, 0};
-    if (poll(&p, 1, 0) < 0 || (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLIN))) {
+    if (!c->peer.WaitsQuietly()) {
       LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " on standby hung up";
       ReleaseLater(std::move(c));
       continue;
@@ -204,37 +171,27 @@ void HandoffEndpoint::Stop() {
   if (policy_.stopped()) return;
   policy_.Stop();
   standby_fallback_.Cancel();
-  for (auto& l : listeners_) {
-    if (!l->closed) CloseListener(l.get());
-  }
+  for (auto& l : listeners_) l->Close();
   for (auto& c : standby_) ReleaseLater(std::move(c));
   standby_.clear();
-  if (abort_watch_ != nullptr) loop_.Cancel(&abort_watch_->completion);
-  abort_watch_ = nullptr;
+  abort_watch_.Stop();
   for (auto& c : parked_) ReleaseLater(std::move(c));
   parked_.clear();
-  for (auto& c : connections_in_flight_) {
-    loop_.Cancel(&c->send);
-    loop_.Cancel(&c->recv);
-  }
+  for (auto& c : connections_in_flight_) c->peer.Cancel();
 }
 
-void HandoffEndpoint::OnAccepted(int fd, const std::string& tag) {
-  connections_in_flight_.push_back(std::make_unique<Connection>(loop_));
+void HandoffEndpoint::OnAccepted(UniqueFd fd, const std::string& tag) {
+  connections_in_flight_.push_back(std::make_unique<Connection>(loop_, pending_, std::move(fd)));
   Connection* c = connections_in_flight_.back().get();
-  c->fd.Reset(fd);
   c->tag = tag;
   ++connections_;
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    return Finish(c, ErrnoStatus(errno, "SO_PEERCRED on handoff connection"), std::nullopt);
-  }
-  c->peer_pid = cred.pid;
-  c->peer_uid = cred.uid;
-  if (options_.peer_uid && cred.uid != 0 && cred.uid != *options_.peer_uid) {
+  auto cred = c->peer.Credentials();
+  if (!cred.ok()) return Finish(c, cred.status(), std::nullopt);
+  c->peer_pid = cred->pid;
+  c->peer_uid = cred->uid;
+  if (options_.peer_uid && cred->uid != 0 && cred->uid != *options_.peer_uid) {
     return SendOffer(c, /*refuse=*/true,
-                     absl::StrCat("uid ", cred.uid, " may not serve volume ", config_.volume_id,
+                     absl::StrCat("uid ", cred->uid, " may not serve volume ", config_.volume_id,
                                   " (expected uid ", *options_.peer_uid, ")"));
   }
   Route(c);
@@ -244,19 +201,10 @@ namespace {
 
 // A server that goes with an answer of ours unread in its socket (a passthrough close's, say)
 // resets the connection, and the ring's receive reports that before what the server sent last,
-// which is still queued: its last word (the final HandoffReply), if it said one. Never waits (the
-// peer is gone, and the socket is made non-blocking anyway); what else is queued is dropped.
-std::optional<HandoffReply> LastWordAfterReset(int fd) {
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+// which is still queued: its last word (the final HandoffReply), if it said one.
+std::optional<HandoffReply> LastWordAfterReset(HandoffPeer& peer) {
   std::optional<HandoffReply> last;
-  std::vector<char> buf(kMaxHandoffMessageBytes);
-  for (int i = 0; i < 4096; ++i) {
-    std::vector<UniqueFd> fds;
-    int flags = 0;
-    bool other_control = false;
-    const ssize_t n = ReceiveWithFds(fd, buf.data(), buf.size(), &fds, &flags, &other_control);
-    if (n <= 0) break;
-    const absl::string_view msg(buf.data(), static_cast<size_t>(n));
+  for (const std::string& msg : peer.QueuedAfterReset()) {
     if (auto backing = DecodeBackingRequest(msg); !backing.ok() || backing->has_value()) continue;
     if (auto reply = DecodeHandoffReply(msg); reply.ok() && reply->notice.empty() && !reply->draining) last = *reply;
   }
@@ -267,12 +215,6 @@ std::optional<HandoffReply> LastWordAfterReset(int fd) {
 absl::Status StoppedBecause(const HandoffReply& last) {
   return last.ok ? absl::UnavailableError("the FUSE server stopped serving")
                  : absl::UnavailableError(absl::StrCat("the FUSE server stopped: ", last.error));
-}
-
-// Whether the peer of socket `fd` has closed it. Never waits.
-bool HungUp(int fd) {
-  pollfd p{fd, POLLRDHUP, 0};
-  return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
 }
 
 }  // namespace
@@ -287,7 +229,7 @@ void HandoffEndpoint::Route(Connection* c) {
                 << " waits on standby until the serving server stops";
       return ToStandby(c);
     case HandoffPolicy::Route::kRefuse:
-      if (HungUp(serving_connection_->fd.get())) {
+      if (serving_connection_->peer.HungUp()) {
         // The serving server is gone, but the ring has not told of its end yet (its receive was
         // re-armed after its last message and comes in a later turn than this arrival): this one
         // is routed once that end has been handled, not refused as a second server.
@@ -316,50 +258,21 @@ void HandoffEndpoint::Admit(Connection* c) {
   }
 }
 
-void HandoffEndpoint::ArmAbortWatch() {
-  // Watches live in a pool of completions with stable addresses: a watch on a replaced
-  // connection can still be completing while the new one is armed. A watch's callback is set
-  // once, when it is created: it may re-arm its own watch, and must not be replaced while it runs.
-  Watch* watch = nullptr;
-  for (auto& w : watches_) {
-    if (!w.in_flight) watch = &w;
+void HandoffEndpoint::OnAborted() {
+  if (policy_.stopped()) return;
+  policy_.Aborted();
+  serving_connection_ = nullptr;  // its server's end, when it reports it, is no news
+  if (abort_expected_) {
+    LOG(INFO) << "volume " << config_.volume_id << ": the agent aborted its old FUSE connection";
+  } else {
+    LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
   }
-  if (watch == nullptr) {
-    watch = &watches_.emplace_back();
-    watch->completion.callback = [this, watch](int32_t res, bool) {
-      Completed();
-      watch->in_flight = false;
-      if (watch == abort_watch_) {
-        abort_watch_ = nullptr;
-        if (res > 0 && (res & (POLLERR | POLLHUP)) && !policy_.stopped()) {
-          policy_.Aborted();
-          serving_connection_ = nullptr;  // its server's end, when it reports it, is no news
-          if (abort_expected_) {
-            LOG(INFO) << "volume " << config_.volume_id << ": the agent aborted its old FUSE connection";
-          } else {
-            LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE connection was aborted";
-          }
-          if (events_.on_connection_aborted) events_.on_connection_aborted();
-        } else if (res >= 0 && !policy_.stopped()) {
-          ArmAbortWatch();  // woken without an error: keep watching
-        }
-      }
-      if (in_flight_ == 0) ReleaseLater(nullptr);
-    };
-  }
-  watch->in_flight = true;
-  abort_watch_ = watch;
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_poll_add(sqe, fuse_fd_.get(), POLLERR);
-  Arm(sqe, &watch->completion);
+  if (events_.on_connection_aborted) events_.on_connection_aborted();
 }
 
 void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
   if (policy_.stopped()) return;
-  if (abort_watch_ != nullptr) {
-    loop_.Cancel(&abort_watch_->completion);  // completes later as a non-current watch
-    abort_watch_ = nullptr;
-  }
+  abort_watch_.Stop();  // (its poll completes later, quietly)
   fuse_fd_ = std::move(fuse_fd);
   policy_.Replaced();
   abort_expected_ = false;
@@ -376,15 +289,16 @@ void HandoffEndpoint::ReplaceConnection(UniqueFd fuse_fd) {
     connections_in_flight_.push_back(std::move(c));
     SendOffer(raw, /*refuse=*/false, "");
   }
-  ArmAbortWatch();
+  abort_watch_.Watch(fuse_fd_.get());
   if (waiting.empty()) PromoteStandby();
 }
 
 void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
   c->refused = refuse;
   c->live = !refuse && policy_.OfferLive();
+  std::string out;
   if (refuse) {
-    c->out = EncodeHandoffRefusal(why);
+    out = EncodeHandoffRefusal(why);
   } else {
     MountConfig m = config_;
     if (c->live) {
@@ -396,11 +310,9 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
     if (!c->tag.empty() && options_.drain_wait > absl::ZeroDuration()) {
       m.drain_ms = absl::ToInt64Milliseconds(options_.drain_wait);
     }
-    c->out = EncodeMountConfig(m);
+    out = EncodeMountConfig(m);
   }
-  c->out_iov = {c->out.data(), c->out.size()};
-  c->out_msg.msg_iov = &c->out_iov;
-  c->out_msg.msg_iovlen = 1;
+  std::vector<int> fds;
   if (!refuse) {
     // A relay (fkserve launch) reads the connection non-blocking; the flag belongs to the open
     // file, which this dup shares. Whoever gets it next expects a blocking /dev/fuse, as libfuse
@@ -408,88 +320,57 @@ void HandoffEndpoint::SendOffer(Connection* c, bool refuse, std::string why) {
     if (const int fl = fcntl(fuse_fd_.get(), F_GETFL); fl >= 0 && (fl & O_NONBLOCK)) {
       fcntl(fuse_fd_.get(), F_SETFL, fl & ~O_NONBLOCK);
     }
-    const int fds[2] = {fuse_fd_.get(), c->live ? relay_state_.get() : -1};
-    AttachFds(&c->out_msg, &c->out_control, fds, 2);
+    fds = {fuse_fd_.get(), c->live ? relay_state_.get() : -1};
   }
-  c->send.callback = [this, c, why](int32_t res, bool) {
-    Completed();
-    if (res < 0) return Finish(c, ErrnoStatus(-res, "sending the handoff to the server"), std::nullopt);
-    if (c->refused) return Finish(c, absl::PermissionDeniedError(why), std::nullopt);
+  c->peer.Send(std::move(out), std::move(fds), [this, c, why](int32_t res) { OnSent(c, res, why); });
+}
+
+void HandoffEndpoint::OnSent(Connection* c, int32_t res, const std::string& why) {
+  if (res < 0) return Finish(c, ErrnoStatus(-res, "sending the handoff to the server"), std::nullopt);
+  if (c->refused) return Finish(c, absl::PermissionDeniedError(why), std::nullopt);
+  if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+  c->peer.Receive(options_.reply_timeout, [this, c](HandoffPeer::Received got) { OnReply(c, std::move(got)); });
+}
+
+void HandoffEndpoint::OnReply(Connection* c, HandoffPeer::Received got) {
+  // Any fds but a relay state the reply announces are closed (they go out of scope here).
+  const int32_t res = got.res;
+  if (res == -ECANCELED) {
     if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
-    AwaitReply(c);
-  };
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_sendmsg(sqe, c->fd.get(), &c->out_msg, MSG_NOSIGNAL);
-  Arm(sqe, &c->send);
-}
-
-std::vector<UniqueFd> HandoffEndpoint::Received(Connection* c, int32_t res, bool* other_control) {
-  Completed();
-  c->reply_deadline.Cancel();
-  if (res <= 0) return {};
-  return TakeReceivedFds(c->in_msg, other_control);
-}
-
-void HandoffEndpoint::AwaitReply(Connection* c) {
-  PrepareReceive(c);
-  c->recv.callback = [this, c](int32_t res, bool) {
-    // Any fds but a relay state the reply announces are closed (they go out of scope here).
-    bool other_control = false;
-    std::vector<UniqueFd> fds = Received(c, res, &other_control);
-    if (res == -ECANCELED) {
-      if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
-      return Finish(c, absl::DeadlineExceededError(absl::StrCat(
-                           "the server took the fd but did not answer within ",
-                           absl::FormatDuration(options_.reply_timeout))),
-                    std::nullopt);
-    }
-    if (res < 0) return Finish(c, ErrnoStatus(-res, "reading the server's reply"), std::nullopt);
-    if (res == 0) {
-      return Finish(c, absl::UnavailableError("the server closed the connection without answering"),
-                    std::nullopt);
-    }
-    if (c->in_msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
-      return Finish(c, absl::InvalidArgumentError("the server's reply was too large"), std::nullopt);
-    }
-    auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
-    if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
-    if (!reply->ok && reply->fresh && c->live && !policy_.stopped()) {
-      // Keep the connection: the server waits on it for a fresh connection's config.
-      LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
-                << " cannot adopt the live connection and asks for a fresh one";
-      parked_.push_back(TakeConnection(c));
-      if (events_.on_fresh_requested) events_.on_fresh_requested();
-      return;
-    }
-    if (!reply->ok) {
-      return Finish(c, absl::FailedPreconditionError(absl::StrCat("the server refused: ", reply->error)),
-                    std::nullopt);
-    }
-    // The state is the serving server's: one that keeps none (or attaches something else)
-    // leaves none for its successor.
-    relay_state_.Reset();
-    if (reply->relay_state) KeepRelayState(c, fds.size() == 1 && !other_control ? std::move(fds[0]) : UniqueFd());
-    // Backing ids a predecessor left for a successor that keeps no state: nobody can name them.
-    if (!relay_state_.valid() && !backing_ids_.empty()) {
-      if (KnowIdentity(c).ok()) CloseBackingIds(*c->identity, "its successor keeps no table of them");
-    }
-    Finish(c, absl::OkStatus(), *reply);
-  };
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
-  Arm(sqe, &c->recv);
-  // Only fires while the receive is in flight, so the endpoint is alive (kept by keep_alive_).
-  c->reply_deadline.Arm(absl::ToChronoNanoseconds(options_.reply_timeout), [this, c] { loop_.Cancel(&c->recv); });
-}
-
-void HandoffEndpoint::PrepareReceive(Connection* c) {
-  c->in.assign(kMaxHandoffMessageBytes + 1, '\0');
-  c->in_iov = {c->in.data(), c->in.size()};
-  c->in_msg = {};
-  c->in_msg.msg_iov = &c->in_iov;
-  c->in_msg.msg_iovlen = 1;
-  c->in_msg.msg_control = c->in_control.bytes;
-  c->in_msg.msg_controllen = sizeof(c->in_control.bytes);
+    return Finish(c, absl::DeadlineExceededError(absl::StrCat(
+                         "the server took the fd but did not answer within ",
+                         absl::FormatDuration(options_.reply_timeout))),
+                  std::nullopt);
+  }
+  if (res < 0) return Finish(c, ErrnoStatus(-res, "reading the server's reply"), std::nullopt);
+  if (res == 0) {
+    return Finish(c, absl::UnavailableError("the server closed the connection without answering"), std::nullopt);
+  }
+  if (got.truncated) return Finish(c, absl::InvalidArgumentError("the server's reply was too large"), std::nullopt);
+  auto reply = DecodeHandoffReply(got.message);
+  if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
+  if (!reply->ok && reply->fresh && c->live && !policy_.stopped()) {
+    // Keep the connection: the server waits on it for a fresh connection's config.
+    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
+              << " cannot adopt the live connection and asks for a fresh one";
+    parked_.push_back(TakeConnection(c));
+    if (events_.on_fresh_requested) events_.on_fresh_requested();
+    return;
+  }
+  if (!reply->ok) {
+    return Finish(c, absl::FailedPreconditionError(absl::StrCat("the server refused: ", reply->error)), std::nullopt);
+  }
+  // The state is the serving server's: one that keeps none (or attaches something else)
+  // leaves none for its successor.
+  relay_state_.Reset();
+  if (reply->relay_state) {
+    KeepRelayState(c, got.fds.size() == 1 && !got.other_control ? std::move(got.fds[0]) : UniqueFd());
+  }
+  // Backing ids a predecessor left for a successor that keeps no state: nobody can name them.
+  if (!relay_state_.valid() && !backing_ids_.empty()) {
+    if (KnowIdentity(c).ok()) CloseBackingIds(*c->identity, "its successor keeps no table of them");
+  }
+  Finish(c, absl::OkStatus(), *reply);
 }
 
 std::unique_ptr<HandoffEndpoint::Connection> HandoffEndpoint::TakeConnection(Connection* c) {
@@ -504,71 +385,70 @@ std::unique_ptr<HandoffEndpoint::Connection> HandoffEndpoint::TakeConnection(Con
 }
 
 void HandoffEndpoint::WatchServer(Connection* c) {
-  c->recv.callback = [this, c](int32_t res, bool) {
-    Completed();
-    std::vector<UniqueFd> fds;
-    if (res > 0) {
-      bool other_control;
-      fds = TakeReceivedFds(c->in_msg, &other_control);
-      auto backing = DecodeBackingRequest(absl::string_view(c->in.data(), static_cast<size_t>(res)));
-      if (backing.ok() && backing->has_value() && !policy_.stopped()) {
-        OnBackingRequest(c, **backing, std::move(fds));
-        ArmServerReceive(c);  // (the callback stays: it is the one running)
-        return;
-      }
+  c->peer.Receive(std::nullopt, [this, c](HandoffPeer::Received got) { OnServerMessage(c, std::move(got)); });
+}
+
+void HandoffEndpoint::OnServerMessage(Connection* c, HandoffPeer::Received got) {
+  const int32_t res = got.res;
+  if (res > 0) {
+    auto backing = DecodeBackingRequest(got.message);
+    if (backing.ok() && backing->has_value() && !policy_.stopped()) {
+      OnBackingRequest(c, **backing, std::move(got.fds));
+      return WatchServer(c);
     }
-    absl::Status why;
-    std::optional<HandoffReply> last_word;
-    if (res == -ECONNRESET) last_word = LastWordAfterReset(c->fd.get());
-    if (last_word) {
-      why = StoppedBecause(*last_word);
-    } else if (res == -ECANCELED) {
-      why = absl::CancelledError("the agent stopped watching the server");
-    } else if (res == 0 || res == -ECONNRESET) {  // (a reset: it went with an answer of ours unread)
-      why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
-    } else if (res < 0) {
-      why = absl::UnavailableError(absl::StrCat("the FUSE server's connection failed (", strerror(-res),
-                                                "; it exited or was killed)"));
-    } else {
-      auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
-      if (reply.ok() && reply->ok && reply->draining && !policy_.stopped()) {
-        // Asked to stop, it serves on until a successor waits: not the end either.
-        MarkDraining(c);
-        ArmServerReceive(c);
-        return;
-      }
-      if (reply.ok() && !reply->notice.empty() && !policy_.stopped()) {
-        // Not the end: pass it on and keep watching.
-        if (c == serving_connection_) {
-          LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE server reports: " << reply->notice;
-          if (events_.on_server_notice) events_.on_server_notice(*reply);
-        }
-        ArmServerReceive(c);  // (the callback stays: it is the one running)
-        return;
-      }
-      why = reply.ok() ? StoppedBecause(*reply) : reply.status();
+  }
+  absl::Status why;
+  std::optional<HandoffReply> last_word;
+  if (res == -ECONNRESET) last_word = LastWordAfterReset(c->peer);
+  if (last_word) {
+    why = StoppedBecause(*last_word);
+  } else if (res == -ECANCELED) {
+    why = absl::CancelledError("the agent stopped watching the server");
+  } else if (res == 0 || res == -ECONNRESET) {  // (a reset: it went with an answer of ours unread)
+    why = absl::UnavailableError("the FUSE server closed its connection (it exited or was killed)");
+  } else if (res < 0) {
+    why = absl::UnavailableError(absl::StrCat("the FUSE server's connection failed (", strerror(-res),
+                                              "; it exited or was killed)"));
+  } else {
+    auto reply = DecodeHandoffReply(got.message);
+    if (reply.ok() && reply->ok && reply->draining && !policy_.stopped()) {
+      // Asked to stop, it serves on until a successor waits: not the end either.
+      MarkDraining(c);
+      return WatchServer(c);
     }
-    if (c == serving_connection_) ServerLeftBackingIds(c);
-    c->alive.End();  // a registration still on its way is closed when it comes back
-    c->fd.Reset();
-    const bool current = c == serving_connection_;
-    if (current) serving_connection_ = nullptr;
-    std::unique_ptr<Connection> doomed = TakeConnection(c);
-    if (!current) {
-      // A server of an earlier connection (aborted and replaced) reporting its end after its
-      // successor took over: nothing about the current server.
-      LOG(INFO) << "volume " << config_.volume_id << ": an earlier server's handoff connection ended ("
-                << why.message() << ")";
-    } else if (!policy_.stopped()) {
-      policy_.ServerGone();
-      LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
-      if (events_.on_server_gone) events_.on_server_gone(why);
-      PromoteStandby();
+    if (reply.ok() && !reply->notice.empty() && !policy_.stopped()) {
+      // Not the end: pass it on and keep watching.
+      if (c == serving_connection_) {
+        LOG(WARNING) << "volume " << config_.volume_id << ": its FUSE server reports: " << reply->notice;
+        if (events_.on_server_notice) events_.on_server_notice(*reply);
+      }
+      return WatchServer(c);
     }
-    if (current) RouteAwaitingEnd();
-    ReleaseLater(std::move(doomed));
-  };
-  ArmServerReceive(c);
+    why = reply.ok() ? StoppedBecause(*reply) : reply.status();
+  }
+  ServerEnded(c, why);
+}
+
+void HandoffEndpoint::ServerEnded(Connection* c, const absl::Status& why) {
+  if (c == serving_connection_) ServerLeftBackingIds(c);
+  c->alive.End();  // a registration still on its way is closed when it comes back
+  c->peer.Close();
+  const bool current = c == serving_connection_;
+  if (current) serving_connection_ = nullptr;
+  std::unique_ptr<Connection> doomed = TakeConnection(c);
+  if (!current) {
+    // A server of an earlier connection (aborted and replaced) reporting its end after its
+    // successor took over: nothing about the current server.
+    LOG(INFO) << "volume " << config_.volume_id << ": an earlier server's handoff connection ended ("
+              << why.message() << ")";
+  } else if (!policy_.stopped()) {
+    policy_.ServerGone();
+    LOG(WARNING) << "volume " << config_.volume_id << ": " << why.message();
+    if (events_.on_server_gone) events_.on_server_gone(why);
+    PromoteStandby();
+  }
+  if (current) RouteAwaitingEnd();
+  ReleaseLater(std::move(doomed));
 }
 
 void HandoffEndpoint::RouteAwaitingEnd() {
@@ -580,13 +460,6 @@ void HandoffEndpoint::RouteAwaitingEnd() {
     connections_in_flight_.push_back(std::move(c));
     Route(raw);
   }
-}
-
-void HandoffEndpoint::ArmServerReceive(Connection* c) {
-  PrepareReceive(c);
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
-  Arm(sqe, &c->recv);
 }
 
 void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply) {
@@ -601,7 +474,7 @@ void HandoffEndpoint::Finish(Connection* c, absl::Status status, std::optional<H
     WatchServer(c);  // the connection stays open while the server serves
     return;
   }
-  c->fd.Reset();
+  c->peer.Close();
   std::unique_ptr<Connection> doomed = TakeConnection(c);
   if (!status.ok()) {
     LOG(WARNING) << "handoff of volume " << config_.volume_id << " to " << c->Peer()

@@ -33,8 +33,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/base/unique_fd.h"
+#include "agent/fuse/handoff_io.h"
 #include "agent/fuse/handoff_policy.h"
 #include "agent/fuse/handoff_protocol.h"
+#include "agent/loop/lifetime.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/timer.h"
 #include "agent/fuse/backing_broker.h"
@@ -65,8 +67,15 @@ struct HandoffOptions {
   int max_backing_in_flight = 64;
 };
 
-class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
+class HandoffEndpoint {
  public:
+  // Destroying a handle stops the endpoint and retires it: it is freed (from a posted callback)
+  // once none of its ring operations or broker answers is pending. From any thread.
+  struct Retire {
+    void operator()(HandoffEndpoint* endpoint) const;
+  };
+  using Ptr = std::unique_ptr<HandoffEndpoint, Retire>;
+
   struct Events {
     // A server accepted the volume (its reply said ok). Loop thread.
     absl::AnyInvocable<void(const HandoffReply& reply, pid_t server_pid)> on_served;
@@ -114,13 +123,12 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // Loop thread. `fuse_fd` is the endpoint's own dup of the connection; invalid: there is none
   // (the agent restarted): a serving server may re-deposit it; other servers that connect are
   // parked and on_fresh_requested fires.
-  static std::shared_ptr<HandoffEndpoint> Start(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd,
-                                                MountConfig config, HandoffOptions options,
-                                                Events events);
-  ~HandoffEndpoint();
+  static Ptr Start(Loop& loop, UniqueFd listen_fd, UniqueFd fuse_fd, MountConfig config, HandoffOptions options,
+                   Events events);
 
   // Loop thread. Stops accepting and closes the listening socket; connections in flight are
-  // cancelled. The fuse fd is released (closed) when the last in-flight operation finishes.
+  // cancelled. The fuse fd is released (closed) with the endpoint, when its handle is gone and
+  // the last in-flight operation has finished.
   void Stop();
 
   // Loop thread. One more listening socket, named `tag` (a server pod's, in its emptyDir): a
@@ -161,6 +169,8 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // Connections servers re-deposited after an agent restart.
   int redeposits() const { return redeposits_; }
   int fuse_fd() const { return fuse_fd_.get(); }
+  // Ring operations and broker answers pending (ForTest: the endpoint is freed after they end).
+  int pending_for_test() const { return pending_.count(); }
   // The relay state a serving launcher deposited (handoff_protocol.h), kept for its successor.
   bool has_relay_state() const { return relay_state_.valid(); }
   int connections_handled() const { return connections_; }
@@ -172,18 +182,14 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
 
  private:
   struct Connection;
-  struct Listener;
   HandoffEndpoint(Loop& loop, UniqueFd fuse_fd, MountConfig config, HandoffOptions options, Events events);
-  // Arms a ring operation; the endpoint keeps itself alive while any is in flight.
-  void Arm(io_uring_sqe* sqe, Completion* completion);
-  // Called first in every completion callback.
-  void Completed();
-  // Releases `doomed` (and the self-reference, if nothing is in flight) after the current
-  // callback has returned: nothing is destroyed from inside its own callback.
+  ~HandoffEndpoint();
+  // Frees `doomed` after the current callback has returned: nothing is destroyed from inside its
+  // own callback.
   void ReleaseLater(std::unique_ptr<Connection> doomed);
-  void ArmAccept(Listener* l);
-  void CloseListener(Listener* l);
-  void OnAccepted(int fd, const std::string& tag = "");
+  // A closed listener whose last accept has come back: freed after the current callback.
+  void ListenerEnded(HandoffListener* l);
+  void OnAccepted(UniqueFd fd, const std::string& tag);
   // A server whose uid has been checked: on standby (a server pod's, while another pod's serves),
   // refused (while one serves), or admitted.
   void Route(Connection* c);
@@ -214,42 +220,40 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   // The serving server has gone: the first standby server still connected takes over.
   void PromoteStandby();
   void SendOffer(Connection* c, bool refuse, std::string why);
-  void AwaitReply(Connection* c);
-  // First in a reply's callback: the operation is done and its deadline too; the fds that came
-  // with it (none if `res` <= 0).
-  std::vector<UniqueFd> Received(Connection* c, int32_t res, bool* other_control);
+  void OnSent(Connection* c, int32_t res, const std::string& why);
+  // The server's answer to an offer.
+  void OnReply(Connection* c, HandoffPeer::Received got);
   // Without a connection: waits briefly for the server to re-deposit one.
   void AwaitRedeposit(Connection* c);
+  void OnRedeposit(Connection* c, HandoffPeer::Received got);
+  // A server pod's server with nothing to re-deposit, or another server: it waits (standby or
+  // parked) for the serving server to re-deposit, or for a fresh connection.
+  void NothingRedeposited(Connection* c);
   // Why a re-deposited fd cannot be taken (empty: it can).
   std::string CheckRedeposited(int fd) const;
   void Finish(Connection* c, absl::Status status, std::optional<HandoffReply> reply);
-  // Keeps the serving server's connection and waits for it to end.
+  // Receives the serving server's next message (kept open while it serves, until it ends).
   void WatchServer(Connection* c);
-  // Receives the serving server's next message into c->in (WatchServer's callback handles it).
-  void ArmServerReceive(Connection* c);
-  // Points the connection's receive message at its buffers.
-  static void PrepareReceive(Connection* c);
-  // Watches the kept fd for POLLERR (the connection was aborted).
-  void ArmAbortWatch();
+  void OnServerMessage(Connection* c, HandoffPeer::Received got);
+  // The serving (or an earlier) server c ended, for `why`.
+  void ServerEnded(Connection* c, const absl::Status& why);
+  // The kept connection was aborted (the abort watch).
+  void OnAborted();
   // Keeps a server's relay state memfd (handoff_protocol.h) for the next server of the connection.
   void KeepRelayState(Connection* c, UniqueFd fd);
   // Removes c from the in-flight list, handing over its ownership.
   std::unique_ptr<Connection> TakeConnection(Connection* c);
 
   Loop& loop_;
+  PendingWork pending_;  // first: every operation of the members below counts in it
   UniqueFd fuse_fd_;
   const MountConfig config_;
   const HandoffOptions options_;
   Events events_;
-  struct Watch {
-    Completion completion;
-    bool in_flight = false;
-  };
-  std::deque<Watch> watches_;
-  Watch* abort_watch_ = nullptr;  // the current one
+  AbortWatch abort_watch_;
   std::string init_record_;  // the FUSE_INIT the first server of this connection reported
   // The main listening socket (tag "") and AddListener's; closed ones until their accept ends.
-  std::vector<std::unique_ptr<Listener>> listeners_;
+  std::vector<std::unique_ptr<HandoffListener>> listeners_;
   std::deque<std::unique_ptr<Connection>> standby_;  // servers waiting for the serving one to stop
   Timer standby_fallback_;  // a server on standby gets a fresh connection if nobody re-deposits
   UniqueFd relay_state_;     // the relay state memfd its server deposited (never read here)
@@ -257,8 +261,6 @@ class HandoffEndpoint : public std::enable_shared_from_this<HandoffEndpoint> {
   std::vector<std::unique_ptr<Connection>> awaiting_end_;  // servers waiting for the serving one's end
   std::vector<std::unique_ptr<Connection>> connections_in_flight_;
   Connection* serving_connection_ = nullptr;  // the current server's (watched) connection
-  std::shared_ptr<HandoffEndpoint> keep_alive_;
-  int in_flight_ = 0;
   HandoffPolicy policy_;  // where servers go, and the state that decides it
   bool abort_expected_ = false;
   int adoptions_ = 0;

@@ -17,14 +17,15 @@
 #include "agent/base/fd_passing.h"
 #include "agent/base/unique_fd.h"
 #include "agent/fuse/handoff_endpoint.h"
+#include "agent/fuse/handoff_io.h"
 #include "agent/loop/loop.h"
 
 namespace fusekeeper {
 
-// Everything one connection's ring operations point at, kept alive until they all complete.
+// One server's connection: its socket (the ring adapter's) and where the endpoint stands with it.
 struct HandoffEndpoint::Connection {
-  explicit Connection(Loop& loop) : reply_deadline(loop) {}
-  UniqueFd fd;
+  Connection(Loop& loop, PendingWork& work, UniqueFd fd) : peer(loop, work, std::move(fd), kMaxHandoffMessageBytes) {}
+  HandoffPeer peer;
   pid_t peer_pid = 0;  // 0: the peer is in another pid namespace (a pod without hostPID)
   uid_t peer_uid = 0;
   // Who the peer is, for logs: its pid when this namespace can see it, its uid always.
@@ -32,20 +33,8 @@ struct HandoffEndpoint::Connection {
     return peer_pid > 0 ? absl::StrCat("server pid ", peer_pid, " (uid ", peer_uid, ")")
                         : absl::StrCat("server uid ", peer_uid, " (pid not visible: another pid namespace)");
   }
-  std::string out;
-  iovec out_iov{};
-  msghdr out_msg{};
-  FdControl out_control;
-  std::string in;
-  iovec in_iov{};
-  msghdr in_msg{};
-  FdControl in_control;
-  Completion send;
-  Completion recv;
-  Timer reply_deadline;  // for the answer the receive waits for
   bool live = false;  // the offer was of a connection an earlier server initialised
   bool refused = false;
-  bool finished = false;
   std::string tag;  // the listener it came through (AddListener); empty: the main one
   bool draining = false;  // serving, asked to stop, waiting for a successor (MountConfig::drain_ms)
   bool relieved = false;  // told to stop
@@ -56,14 +45,6 @@ struct HandoffEndpoint::Connection {
   int64_t backing_opened = 0;
   bool backing_refusal_reported = false;
   Aliveness alive;
-};
-
-struct HandoffEndpoint::Listener {
-  UniqueFd fd;
-  Completion accept;
-  std::string tag;
-  bool closed = false;
-  bool in_flight = false;
 };
 
 }  // namespace fusekeeper

@@ -25,78 +25,77 @@
 namespace fusekeeper {
 
 void HandoffEndpoint::AwaitRedeposit(Connection* c) {
-  PrepareReceive(c);
-  c->recv.callback = [this, c](int32_t res, bool) {
-    bool other_control = false;
-    std::vector<UniqueFd> fds = Received(c, res, &other_control);
-    if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
-    if (res == -ECANCELED) {
-      if (!policy_.awaiting_redeposit()) return Route(c);  // re-deposited meanwhile (by another server)
-      if (!c->tag.empty()) {
-        // A server pod's server with nothing to re-deposit, after an agent restart: another pod's
-        // server (the one a roll replaces) may be serving and about to re-deposit. It waits on
-        // standby; if nobody re-deposits within standby_redeposit_wait, it gets a fresh connection.
-        LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << c->tag
-                  << " has nothing to re-deposit: it waits on standby for the serving server to re-deposit or stop";
-        ToStandby(c);
-        if (!standby_fallback_.armed()) {
-          standby_fallback_.Arm(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
-            if (policy_.stopped() || !policy_.awaiting_redeposit() || policy_.serving() || standby_.empty()) return;
-            LOG(INFO) << "volume " << config_.volume_id << ": no server re-deposited its connection within "
-                      << absl::FormatDuration(options_.standby_redeposit_wait) << "; a server on standby gets a fresh one";
-            parked_.push_back(std::move(standby_.front()));
-            standby_.pop_front();
-            if (events_.on_fresh_requested) events_.on_fresh_requested();
-          });
-        }
-        return;
-      }
-      // Silent: a server that waits for its config (one that serves nothing yet, or a v1 server).
-      LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " did not re-deposit a "
-                << "connection within " << absl::FormatDuration(options_.redeposit_wait)
-                << " of connecting to the restarted agent; it gets a fresh connection";
-      parked_.push_back(TakeConnection(c));
-      if (events_.on_fresh_requested) events_.on_fresh_requested();
-      return;
+  c->peer.Receive(options_.redeposit_wait, [this, c](HandoffPeer::Received got) { OnRedeposit(c, std::move(got)); });
+}
+
+void HandoffEndpoint::NothingRedeposited(Connection* c) {
+  if (!c->tag.empty()) {
+    // A server pod's server with nothing to re-deposit, after an agent restart: another pod's
+    // server (the one a roll replaces) may be serving and about to re-deposit. It waits on
+    // standby; if nobody re-deposits within standby_redeposit_wait, it gets a fresh connection.
+    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " from " << c->tag
+              << " has nothing to re-deposit: it waits on standby for the serving server to re-deposit or stop";
+    ToStandby(c);
+    if (!standby_fallback_.armed()) {
+      standby_fallback_.Arm(absl::ToChronoNanoseconds(options_.standby_redeposit_wait), [this] {
+        if (policy_.stopped() || !policy_.awaiting_redeposit() || policy_.serving() || standby_.empty()) return;
+        LOG(INFO) << "volume " << config_.volume_id << ": no server re-deposited its connection within "
+                  << absl::FormatDuration(options_.standby_redeposit_wait) << "; a server on standby gets a fresh one";
+        parked_.push_back(std::move(standby_.front()));
+        standby_.pop_front();
+        if (events_.on_fresh_requested) events_.on_fresh_requested();
+      });
     }
-    if (res < 0) return Finish(c, ErrnoStatus(-res, "reading from the server"), std::nullopt);
-    if (res == 0) return Finish(c, absl::UnavailableError("the server closed the connection"), std::nullopt);
-    auto reply = DecodeHandoffReply(absl::string_view(c->in.data(), static_cast<size_t>(res)));
-    if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
-    if (!reply->ok || !reply->redeposit) {
-      return Finish(c, absl::InvalidArgumentError("the server spoke first without re-depositing a connection"),
-                    std::nullopt);
-    }
-    std::string why;
-    if (fds.size() != (reply->relay_state ? 2u : 1u) || other_control) {
-      why = reply->relay_state ? "a re-deposit with a relay state must carry exactly two fds"
-                               : "a re-deposit must carry exactly one fd";
-    } else if (!policy_.awaiting_redeposit()) {
-      why = absl::StrCat("volume ", config_.volume_id, " already has a connection");
-    } else {
-      why = CheckRedeposited(fds[0].get());
-    }
-    if (!why.empty()) return SendOffer(c, /*refuse=*/true, why);
-    fuse_fd_ = std::move(fds[0]);
-    relay_state_.Reset();
-    backing_ids_.clear();
-    backing_ids_complete_ = false;  // registered before this agent started: unknown here
-    ++connection_generation_;
-    if (reply->relay_state) KeepRelayState(c, std::move(fds[1]));
-    policy_.Redeposited();
-    ++redeposits_;
-    init_record_ = reply->init;
-    LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer()
-              << " re-deposited its live FUSE connection";
-    ArmAbortWatch();
-    Finish(c, absl::OkStatus(), *reply);  // the same server goes on serving: not an adoption
-    // It was draining when the agent went away: it still waits for its successor.
-    if (reply->draining) MarkDraining(c);
-  };
-  io_uring_sqe* sqe = loop_.GetSqe();
-  io_uring_prep_recvmsg(sqe, c->fd.get(), &c->in_msg, MSG_CMSG_CLOEXEC);
-  Arm(sqe, &c->recv);
-  c->reply_deadline.Arm(absl::ToChronoNanoseconds(options_.redeposit_wait), [this, c] { loop_.Cancel(&c->recv); });
+    return;
+  }
+  // Silent: a server that waits for its config (one that serves nothing yet, or a v1 server).
+  LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " did not re-deposit a "
+            << "connection within " << absl::FormatDuration(options_.redeposit_wait)
+            << " of connecting to the restarted agent; it gets a fresh connection";
+  parked_.push_back(TakeConnection(c));
+  if (events_.on_fresh_requested) events_.on_fresh_requested();
+}
+
+void HandoffEndpoint::OnRedeposit(Connection* c, HandoffPeer::Received got) {
+  const int32_t res = got.res;
+  std::vector<UniqueFd>& fds = got.fds;
+  if (policy_.stopped()) return Finish(c, absl::CancelledError("handoff endpoint stopped"), std::nullopt);
+  if (res == -ECANCELED) {
+    if (!policy_.awaiting_redeposit()) return Route(c);  // re-deposited meanwhile (by another server)
+    return NothingRedeposited(c);
+  }
+  if (res < 0) return Finish(c, ErrnoStatus(-res, "reading from the server"), std::nullopt);
+  if (res == 0) return Finish(c, absl::UnavailableError("the server closed the connection"), std::nullopt);
+  auto reply = DecodeHandoffReply(got.message);
+  if (!reply.ok()) return Finish(c, reply.status(), std::nullopt);
+  if (!reply->ok || !reply->redeposit) {
+    return Finish(c, absl::InvalidArgumentError("the server spoke first without re-depositing a connection"),
+                  std::nullopt);
+  }
+  std::string why;
+  if (fds.size() != (reply->relay_state ? 2u : 1u) || got.other_control) {
+    why = reply->relay_state ? "a re-deposit with a relay state must carry exactly two fds"
+                             : "a re-deposit must carry exactly one fd";
+  } else if (!policy_.awaiting_redeposit()) {
+    why = absl::StrCat("volume ", config_.volume_id, " already has a connection");
+  } else {
+    why = CheckRedeposited(fds[0].get());
+  }
+  if (!why.empty()) return SendOffer(c, /*refuse=*/true, why);
+  fuse_fd_ = std::move(fds[0]);
+  relay_state_.Reset();
+  backing_ids_.clear();
+  backing_ids_complete_ = false;  // registered before this agent started: unknown here
+  ++connection_generation_;
+  if (reply->relay_state) KeepRelayState(c, std::move(fds[1]));
+  policy_.Redeposited();
+  ++redeposits_;
+  init_record_ = reply->init;
+  LOG(INFO) << "volume " << config_.volume_id << ": " << c->Peer() << " re-deposited its live FUSE connection";
+  abort_watch_.Watch(fuse_fd_.get());
+  Finish(c, absl::OkStatus(), *reply);  // the same server goes on serving: not an adoption
+  // It was draining when the agent went away: it still waits for its successor.
+  if (reply->draining) MarkDraining(c);
 }
 
 void HandoffEndpoint::KeepRelayState(Connection* c, UniqueFd fd) {

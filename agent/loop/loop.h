@@ -91,6 +91,8 @@ class Loop {
   bool running() const { return running_.load(std::memory_order_acquire); }
   // Any thread: Stop() was requested (false before Run() starts).
   bool stop_requested() const { return stop_requested_.load(std::memory_order_acquire); }
+  // Run has returned: no callback of this loop runs any more, and Post refuses. Any thread.
+  bool finished() const { return finished_.load(std::memory_order_acquire); }
   // Any thread: how long the loop has been running callbacks without returning to wait on the
   // ring (zero while it waits). A loop stuck in one callback shows here, so health checks can
   // answer off the loop thread and still notice a wedged loop.

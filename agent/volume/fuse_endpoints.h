@@ -28,7 +28,7 @@ struct FuseEndpoint {
   // completes it, harmlessly).
   void StopAnswerProbe();
 
-  std::shared_ptr<HandoffEndpoint> endpoint;
+  HandoffEndpoint::Ptr endpoint;
   uint64_t serial = 0;  // tells this entry from a later one for the same mount
   // No server served it within the handoff timeout (OnHandoffTimeout).
   Timer handoff_deadline;

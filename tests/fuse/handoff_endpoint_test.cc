@@ -72,7 +72,7 @@ class HandoffEndpointTest : public ::testing::Test {
         errors_.push_back(s);
         if (error_waiter_) std::exchange(error_waiter_, nullptr)->set_value(s);
       };
-      events.on_fresh_requested = [this] { ++fresh_requested_; };
+      events.on_fresh_requested = [this, held = sentinel_] { ++fresh_requested_; };
       endpoint_ = HandoffEndpoint::Start(lt_.loop(), std::move(*listen), std::move(dup_fd), config_,
                                          options, std::move(events));
     });
@@ -90,6 +90,8 @@ class HandoffEndpointTest : public ::testing::Test {
   MountConfig config_;
   LoopThread lt_;
   std::shared_ptr<HandoffEndpoint> endpoint_;
+  // Held by the endpoint's events only (and here, until a test lets go): it dies with the endpoint.
+  std::shared_ptr<int> sentinel_ = std::make_shared<int>(0);
   std::vector<std::pair<std::string, pid_t>> served_;
   std::promise<void> served_cv_;
   std::vector<absl::Status> errors_;
@@ -442,8 +444,14 @@ TEST_F(HandoffEndpointTest, StopWithAConnectionInFlightReleasesEverything) {
   auto err = NextError();
   UniqueFd s = Connect(SockPath());
   ASSERT_TRUE(ReceiveHandoffMessage(s.get()).ok());  // the endpoint now waits for our reply
-  std::weak_ptr<HandoffEndpoint> weak = endpoint_;
-  lt_.RunOnLoop([&] { endpoint_->Stop(); });
+  std::weak_ptr<int> weak = sentinel_;
+  sentinel_.reset();
+  int pending = 0;
+  lt_.RunOnLoop([&] {
+    endpoint_->Stop();
+    pending = endpoint_->pending_for_test();
+  });
+  EXPECT_GT(pending, 0) << "the reply's receive was not in flight: the test shows nothing";
   endpoint_.reset();
   ASSERT_EQ(err.wait_for(kTestDeadline), std::future_status::ready);
   EXPECT_EQ(err.get().code(), absl::StatusCode::kCancelled);
