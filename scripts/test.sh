@@ -7,4 +7,6 @@ bazel build //agent/... //bench/...
 rc=0
 bazel test //tests/... || rc=$?
 python3 scripts/test_summary.py bazel-testlogs || rc=1
+# The layout rules (file and function lengths) of issue 29.
+python3 scripts/check_layout.py || rc=1
 exit "$rc"
