@@ -22,7 +22,8 @@ EventRecorder::EventRecorder(Loop& loop, HttpClient& http, BlockingPool& pool, K
       http_(http),
       api_(std::move(api)),
       options_(std::move(options)),
-      token_(pool, api_.token_file, absl::Seconds(10)) {}
+      token_(pool, api_.token_file, absl::Seconds(10)),
+      retry_timers_(loop) {}
 
 void EventRecorder::Touch(const std::string& key, Posted posted) {
   auto it = posted_.find(key);
@@ -204,7 +205,7 @@ void EventRecorder::Retry(std::shared_ptr<Work> w, const std::string& why) {
   d = std::min(d, options_.max_backoff);
   VLOG(1) << "event " << w->reason << ": " << why << "; retrying in " << d;
   ++retries_waiting_;
-  loop_.AddTimer(absl::ToChronoNanoseconds(d), [this, w] {
+  retry_timers_.Add(absl::ToChronoNanoseconds(d), [this, w] {
     --retries_waiting_;
     queue_.push_front(w);
     Pump();

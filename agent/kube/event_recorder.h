@@ -30,6 +30,7 @@
 #include "agent/kube/token_file.h"
 #include "agent/loop/blocking_pool.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -106,6 +107,7 @@ class EventRecorder {
   std::deque<std::shared_ptr<Work>> queue_;
   int in_flight_ = 0;
   int retries_waiting_ = 0;
+  Timers retry_timers_;  // retries waiting for their backoff
   std::unordered_set<std::string> busy_names_;  // events with a request in flight
   std::vector<absl::AnyInvocable<void()>> idle_waiters_;
   void MaybeIdle();

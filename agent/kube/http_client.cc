@@ -48,7 +48,7 @@ absl::StatusOr<std::unique_ptr<HttpClient>> HttpClient::Create(Loop& loop) {
   return c;
 }
 
-HttpClient::HttpClient(Loop& loop) : loop_(loop) {}
+HttpClient::HttpClient(Loop& loop) : loop_(loop), timer_(loop) {}
 
 HttpClient::~HttpClient() {
   // The loop has stopped: curl must not call back into it while transfers are torn down.
@@ -189,13 +189,10 @@ void HttpClient::Arm(Watch* w) {
 
 int HttpClient::OnTimer(void* /*multi*/, long timeout_ms, void* self_ptr) {
   auto* self = static_cast<HttpClient*>(self_ptr);
-  if (self->timer_ != 0) self->loop_.CancelTimer(self->timer_);
-  self->timer_ = 0;
+  self->timer_.Cancel();
   if (timeout_ms < 0) return 0;
-  self->timer_ = self->loop_.AddTimer(std::chrono::milliseconds(timeout_ms), [self] {
-    self->timer_ = 0;
-    self->Action(CURL_SOCKET_TIMEOUT, 0);
-  });
+  // (Action may ask for the timer again: re-arming from its own callback is allowed.)
+  self->timer_.Arm(std::chrono::milliseconds(timeout_ms), [self] { self->Action(CURL_SOCKET_TIMEOUT, 0); });
   return 0;
 }
 

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -55,7 +56,7 @@ class HttpClient {
 
   Loop& loop_;
   void* multi_ = nullptr;
-  TimerId timer_ = 0;
+  Timer timer_;  // the one timeout curl asks for
   std::map<void*, std::unique_ptr<Transfer>> transfers_;
   std::map<int, std::unique_ptr<Watch>> watches_;       // by fd
   std::vector<std::unique_ptr<Watch>> retired_;         // cancelled, completion pending

@@ -1,11 +1,13 @@
 // Timer: a Loop timer owned like a member (as Envoy's TimerPtr): armed again, the earlier
 // deadline is dropped; destroyed, it never fires. Replaces TimerId bookkeeping and hand-written
-// CancelTimer calls.
+// CancelTimer calls. Timers: a set of one-shot timers owned together.
 //
 // Threading: the loop's thread (or the creating thread before Run, or after Run has returned).
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <map>
 
 #include "absl/functional/any_invocable.h"
 #include "agent/loop/loop.h"
@@ -42,6 +44,43 @@ class Timer {
   Loop& loop_;
   TimerId id_ = 0;
   absl::AnyInvocable<void()> fn_;
+};
+
+// Timers: one-shot timers owned together (an object's retries and graces, as many as it has
+// waiting): each is gone once it has fired; none fires once the set is destroyed or cleared.
+class Timers {
+ public:
+  explicit Timers(Loop& loop) : loop_(loop) {}
+  ~Timers() { CancelAll(); }
+  Timers(const Timers&) = delete;
+  Timers& operator=(const Timers&) = delete;
+
+  // Runs `fn` once after `delay`. `fn` may add timers, or destroy this set.
+  void Add(std::chrono::nanoseconds delay, absl::AnyInvocable<void()> fn) {
+    const uint64_t key = next_key_++;
+    const TimerId id = loop_.AddTimer(delay, [this, key] {
+      auto it = pending_.find(key);
+      if (it == pending_.end()) return;
+      absl::AnyInvocable<void()> fn = std::move(it->second.fn);
+      pending_.erase(it);
+      fn();  // last: it may destroy this set
+    });
+    pending_.emplace(key, Pending{id, std::move(fn)});
+  }
+  void CancelAll() {
+    for (auto& [key, p] : pending_) loop_.CancelTimer(p.id);
+    pending_.clear();
+  }
+  size_t size() const { return pending_.size(); }
+
+ private:
+  struct Pending {
+    TimerId id;
+    absl::AnyInvocable<void()> fn;
+  };
+  Loop& loop_;
+  uint64_t next_key_ = 0;
+  std::map<uint64_t, Pending> pending_;
 };
 
 }  // namespace fusekeeper

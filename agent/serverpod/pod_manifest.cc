@@ -3,7 +3,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "agent/base/sha256.h"
-#include "agent/base/json.h"
 #include "agent/fuse/handoff_protocol.h"
 #include "agent/kube/server_container.h"
 
@@ -17,8 +16,13 @@ std::vector<std::string> WithSocket(const google::protobuf::RepeatedPtrField<std
   return out;
 }
 
+using ojson = nlohmann::ordered_json;
+
+// Compact, in the order built; bytes that are not UTF-8 become U+FFFD instead of an exception.
+std::string Dump(const ojson& j) { return j.dump(-1, ' ', false, ojson::error_handler_t::replace); }
+
 // What the pod runs: an unprivileged server container (the pod gives it its user).
-std::string Container(const ServerPodSettings& settings, const state::ServerPod& server, const std::string& socket) {
+ojson Container(const ServerPodSettings& settings, const state::ServerPod& server, const std::string& socket) {
   ServerContainerSpec c;
   c.name = kServerContainer;
   c.image = server.image();
@@ -31,7 +35,7 @@ std::string Container(const ServerPodSettings& settings, const state::ServerPod&
   for (const auto& [k, v] : server.requests()) c.requests[k] = v;
   c.limits.insert(server.limits().begin(), server.limits().end());
   c.socket_dir = {kHandoffVolume, kHandoffDir};
-  return ServerContainerJson(c).dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  return ServerContainerJson(c);
 }
 
 }  // namespace
@@ -44,11 +48,30 @@ std::string SeccompProfileProblem(const std::string& profile) {
 
 namespace {
 
-std::string SeccompJson(const std::string& profile) {
-  if (profile.rfind("Localhost/", 0) == 0) {
-    return absl::StrCat(R"({"type":"Localhost","localhostProfile":)", JsonQuote(profile.substr(10)), "}");
-  }
-  return absl::StrCat(R"({"type":)", JsonQuote(profile), "}");
+ojson SeccompProfile(const std::string& profile) {
+  if (profile.rfind("Localhost/", 0) == 0) return ojson{{"type", "Localhost"}, {"localhostProfile", profile.substr(10)}};
+  return ojson{{"type", profile}};
+}
+
+// The pod's spec: what it runs, where and as whom.
+ojson PodSpec(const ServerPodSettings& settings, const state::ServerPod& server, uint32_t uid, uint32_t gid) {
+  const std::string socket = absl::StrCat(kHandoffDir, "/", kHandoffSocketName);
+  ojson spec = ojson::object();
+  spec["nodeName"] = settings.node;
+  spec["restartPolicy"] = "Always";
+  spec["automountServiceAccountToken"] = false;
+  spec["enableServiceLinks"] = false;
+  spec["terminationGracePeriodSeconds"] = settings.termination_grace_seconds;
+  // Bound by name, past the scheduler: it must run wherever the volume is staged, taints or not.
+  spec["tolerations"] = ojson::array({ojson{{"operator", "Exists"}}});
+  if (!settings.priority_class.empty()) spec["priorityClassName"] = settings.priority_class;
+  spec["securityContext"] = ojson{{"runAsNonRoot", true},
+                                  {"runAsUser", uid},
+                                  {"runAsGroup", gid},
+                                  {"seccompProfile", SeccompProfile(settings.seccomp_profile)}};
+  spec["containers"] = ojson::array({Container(settings, server, socket)});
+  spec["volumes"] = ojson::array({ojson{{"name", kHandoffVolume}, {"emptyDir", ojson{{"sizeLimit", "1Mi"}}}}});
+  return spec;
 }
 
 }  // namespace
@@ -62,32 +85,27 @@ std::string NodeSelector(const ServerPodSettings& settings) {
 
 ServerPodManifest BuildServerPod(const ServerPodSettings& settings, const std::string& volume_id,
                                  const state::ServerPod& server, uint32_t uid, uint32_t gid, bool successor) {
-  const std::string socket = absl::StrCat(kHandoffDir, "/", kHandoffSocketName);
   // What the pod runs, as JSON: hashed into its name, so that any change is a new pod.
-  const std::string container = Container(settings, server, socket);
-  std::string pod_spec = absl::StrCat(
-      R"({"nodeName":)", JsonQuote(settings.node), R"(,"restartPolicy":"Always")",
-      R"(,"automountServiceAccountToken":false,"enableServiceLinks":false)",
-      R"(,"terminationGracePeriodSeconds":)", settings.termination_grace_seconds,
-      // Bound by name, past the scheduler: it must run wherever the volume is staged, taints or not.
-      R"(,"tolerations":[{"operator":"Exists"}])");
-  if (!settings.priority_class.empty()) {
-    absl::StrAppend(&pod_spec, R"(,"priorityClassName":)", JsonQuote(settings.priority_class));
-  }
-  absl::StrAppend(&pod_spec, R"(,"securityContext":{"runAsNonRoot":true,"runAsUser":)", uid, R"(,"runAsGroup":)", gid,
-                  R"(,"seccompProfile":)", SeccompJson(settings.seccomp_profile), "}", R"(,"containers":[)", container, "]",
-                  R"(,"volumes":[{"name":)", JsonQuote(kHandoffVolume), R"(,"emptyDir":{"sizeLimit":"1Mi"}}]})");
+  const ojson spec = PodSpec(settings, server, uid, gid);
   ServerPodManifest m;
-  m.spec_hash = Sha256Hex(pod_spec).substr(0, 10);
+  m.spec_hash = Sha256Hex(Dump(spec)).substr(0, 10);
   const std::string vol = VolumeLabelValue(volume_id), node = NodeLabelValue(settings.node);
   m.name = absl::StrCat("fk-", vol.substr(0, 16), "-", node.substr(0, 8), "-", m.spec_hash, successor ? kSuccessorSuffix : "");
-  m.json = absl::StrCat(
-      R"({"apiVersion":"v1","kind":"Pod","metadata":{"name":)", JsonQuote(m.name), R"(,"namespace":)",
-      JsonQuote(settings.namespace_), R"(,"labels":{)", JsonQuote(kManagedByLabel), ":", JsonQuote(kManagedBy), ",",
-      JsonQuote("app.kubernetes.io/component"), ":", JsonQuote("fuse-server"), ",", JsonQuote(kNodeLabel), ":",
-      JsonQuote(node), ",", JsonQuote(kVolumeLabel), ":", JsonQuote(vol), ",", JsonQuote(kSpecLabel), ":",
-      JsonQuote(m.spec_hash), R"(},"annotations":{)", JsonQuote(kVolumeAnnotation), ":", JsonQuote(volume_id), ",",
-      JsonQuote(kNodeAnnotation), ":", JsonQuote(settings.node), R"(}},"spec":)", pod_spec, "}");
+  ojson labels = ojson::object();
+  labels[kManagedByLabel] = kManagedBy;
+  labels["app.kubernetes.io/component"] = "fuse-server";
+  labels[kNodeLabel] = node;
+  labels[kVolumeLabel] = vol;
+  labels[kSpecLabel] = m.spec_hash;
+  ojson annotations = ojson::object();
+  annotations[kVolumeAnnotation] = volume_id;
+  annotations[kNodeAnnotation] = settings.node;
+  const ojson pod = {{"apiVersion", "v1"},
+                     {"kind", "Pod"},
+                     {"metadata",
+                      {{"name", m.name}, {"namespace", settings.namespace_}, {"labels", labels}, {"annotations", annotations}}},
+                     {"spec", spec}};
+  m.json = Dump(pod);
   return m;
 }
 

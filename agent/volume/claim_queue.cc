@@ -31,7 +31,7 @@ ClaimQueue::ClaimQueue(Loop& loop, Options options) : state_(std::make_shared<St
 
 ClaimQueue::~ClaimQueue() {
   for (auto& [id, queue] : state_->waiters) {
-    for (auto& w : queue) state_->loop->CancelTimer(w->timer);
+    for (auto& w : queue) w->timer.Cancel();
   }
 }
 
@@ -91,7 +91,7 @@ void ClaimQueue::State::GrantWaiting(const std::shared_ptr<State>& self, const s
   while (!queue.empty() && Free(volume_id, queue.front()->target)) {
     std::shared_ptr<Waiter> next = std::move(queue.front());
     queue.pop_front();
-    loop->CancelTimer(next->timer);
+    next->timer.Cancel();
     auto claim = std::make_shared<Claim>(Take(self, volume_id, next->target));
     granted.emplace_back(std::move(next), std::move(claim));
   }
@@ -120,13 +120,13 @@ void ClaimQueue::Acquire(const std::string& volume_id, const std::string& target
     return refused(absl::ResourceExhaustedError(
         absl::StrCat(n, " RPCs already wait for volume ", volume_id, "; retry later")));
   }
-  auto w = std::make_shared<Waiter>();
+  auto w = std::make_shared<Waiter>(*state_->loop);
   w->target = target;
   w->granted = std::move(granted);
   w->refused = std::move(refused);
   w->since = absl::Now();
   std::weak_ptr<State> weak = state_;
-  w->timer = state_->loop->AddTimer(
+  w->timer.Arm(
       absl::ToChronoNanoseconds(state_->options.max_wait), [weak, volume_id, raw = w.get()] {
         auto state = weak.lock();
         if (!state) return;

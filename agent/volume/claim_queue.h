@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "agent/loop/loop.h"
+#include "agent/loop/timer.h"
 
 namespace fusekeeper {
 
@@ -93,10 +94,11 @@ class ClaimQueue {
 
  private:
   struct Waiter {
+    explicit Waiter(Loop& loop) : timer(loop) {}
     std::string target;
     Granted granted;
     Refused refused;
-    TimerId timer = 0;
+    Timer timer;  // the turn's max wait
     absl::Time since;
   };
   struct Claims {

@@ -117,7 +117,8 @@ FuseKind::FuseKind(VolumeHost& host, FuseKindOptions options)
       options_(std::move(options)),
       endpoints_(host.loop()),
       broker_(host.loop()),
-      repairs_(host.loop(), options_.repair_backoff, options_.max_repair_backoff) {
+      repairs_(host.loop(), options_.repair_backoff, options_.max_repair_backoff),
+      later_(host.loop()) {
   if (options_.server_pods == nullptr) return;
   ServerPods::Events ev;
   ev.on_pod = [this](const std::string& vid, const std::string& name, const std::string& uid) {

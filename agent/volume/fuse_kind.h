@@ -23,6 +23,7 @@
 #include "agent/fuse/answer_probe.h"
 #include "agent/fuse/handoff_endpoint.h"
 #include "agent/serverpod/server_pods.h"
+#include "agent/loop/timer.h"
 #include "agent/volume/fuse_endpoints.h"
 #include "agent/volume/fuse_volume_ops.h"
 #include "agent/volume/repair_scheduler.h"
@@ -148,6 +149,8 @@ class FuseKind final : public VolumeKind {
   FuseEndpoints endpoints_;
   BackingBroker broker_;  // passthrough for the volumes' servers (backing_broker.h)
   RepairScheduler repairs_;
+  // One-shot waits of their own: server-gone graces, a server pod's directory looked for again.
+  Timers later_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer
   int64_t tunings_applied_ = 0, tunings_failed_ = 0;

@@ -180,7 +180,7 @@ void FuseKind::AttachPodListener(const std::string& volume_id, const std::string
   // The kubelet makes the directory as it starts the pod, usually within seconds: looked for
   // every pod_dir_retry for the first 10 s (a stat each), then less and less often.
   auto again = [this, volume_id, pod_uid, retry] {
-    host_.loop().AddTimer(absl::ToChronoNanoseconds(retry), [this, volume_id, pod_uid, retry] {
+    later_.Add(absl::ToChronoNanoseconds(retry), [this, volume_id, pod_uid, retry] {
       auto& waited = pod_dir_waited_[pod_uid];
       waited += retry;
       const absl::Duration next =

@@ -96,7 +96,7 @@ void FuseKind::OnServerGone(const std::string& volume_id, const std::string& pat
   const uint64_t serial = ep->serial;
   const std::string message = absl::StrCat("the FUSE server of volume ", volume_id, " stopped (", why.message(),
                                            "); the mount is kept open and waits for the server to come back");
-  host_.loop().AddTimer(
+  later_.Add(
       absl::ToChronoNanoseconds(options_.server_gone_grace), [this, volume_id, path, message, serial] {
         FuseEndpoint* ep = endpoints_.Find(volume_id, path, serial);
         if (ep == nullptr) return;  // unpublished meanwhile

@@ -208,9 +208,10 @@ class VolumeManager final : public VolumeHost {
   BlockingPool* probe_pool_;
   // One statfs of a mount and everyone waiting for its answer.
   struct ProbeRace {
+    explicit ProbeRace(Loop& loop) : timer(loop) {}
     std::vector<StatsDone> dones;
     bool answered = false;  // by the result or the deadline
-    TimerId timer = 0;
+    Timer timer;  // the deadline (its callback holds the race weakly)
     StatsResult result = absl::UnknownError("not run");
     void Answer(const StatsResult& r);
   };

@@ -61,11 +61,12 @@ void VolumeManager::Probe(const std::string& path, const std::string& mount_path
   }
   // Exactly one answer for everyone waiting: the statfs result or the deadline, whichever comes
   // first.
-  auto race = std::make_shared<ProbeRace>();
+  auto race = std::make_shared<ProbeRace>(loop_);
   race->dones.push_back(std::move(done));
   const absl::Duration timeout = options_.stats_timeout;
-  race->timer = loop_.AddTimer(absl::ToChronoNanoseconds(timeout), [race, path, timeout] {
-    if (race->answered) return;
+  race->timer.Arm(absl::ToChronoNanoseconds(timeout), [weak = std::weak_ptr<ProbeRace>(race), path, timeout] {
+    auto race = weak.lock();
+    if (!race || race->answered) return;
     csi::v1::NodeGetVolumeStatsResponse resp;
     resp.mutable_volume_condition()->set_abnormal(true);
     resp.mutable_volume_condition()->set_message(absl::StrCat(
@@ -80,12 +81,12 @@ void VolumeManager::Probe(const std::string& path, const std::string& mount_path
       [this, race, mount_path](absl::Status ran) {
         probes_outstanding_.erase(mount_path);
         if (race->answered) return;  // the deadline answered already
-        loop_.CancelTimer(race->timer);
+        race->timer.Cancel();
         race->Answer(ran.ok() ? std::move(race->result) : ran);
       });
   if (!s.ok()) {
     probes_outstanding_.erase(mount_path);
-    loop_.CancelTimer(race->timer);
+    race->timer.Cancel();
     race->Answer(s);
   }
 }

@@ -2,6 +2,7 @@
 
 #include <future>
 #include <memory>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "tests/testing/loop_thread.h"
@@ -57,6 +58,48 @@ TEST(TimerTest, AnArmedTimerMayBeDestroyedOnAnotherThreadOnceTheLoopHasFinished)
   EXPECT_TRUE(t->armed());
   t.reset();  // on the test's thread, not the loop's
   EXPECT_FALSE(fired);
+}
+
+TEST(TimerTest, TimersFireEachOnceAndNoneOnceTheSetIsGone) {
+  LoopThread lt;
+  std::promise<void> both;
+  std::vector<int> order;
+  std::unique_ptr<Timers> set;
+  lt.RunOnLoop([&] {
+    set = std::make_unique<Timers>(lt.loop());
+    set->Add(std::chrono::milliseconds(2), [&] {
+      order.push_back(2);
+      EXPECT_EQ(set->size(), 0u) << "a fired timer is still in the set";
+      // One added from a callback fires too, and the set may be destroyed from it.
+      set->Add(std::chrono::milliseconds(1), [&] {
+        order.push_back(3);
+        set.reset();
+        both.set_value();
+      });
+    });
+    set->Add(std::chrono::milliseconds(1), [&] { order.push_back(1); });
+    EXPECT_EQ(set->size(), 2u);
+  });
+  ASSERT_EQ(both.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  lt.RunOnLoop([&] { EXPECT_EQ(order, (std::vector<int>{1, 2, 3})); });
+  // Destroyed (or cleared) with timers waiting: none of them fires. A plain Timer armed after
+  // them, and longer, fires: the loop ran past their deadlines.
+  int fired = 0;
+  std::promise<void> after;
+  Timer later(lt.loop());
+  lt.RunOnLoop([&] {
+    auto gone = std::make_unique<Timers>(lt.loop());
+    gone->Add(std::chrono::milliseconds(1), [&] { ++fired; });
+    Timers cleared(lt.loop());
+    cleared.Add(std::chrono::milliseconds(1), [&] { ++fired; });
+    cleared.CancelAll();
+    EXPECT_EQ(cleared.size(), 0u);
+    gone.reset();
+    later.Arm(std::chrono::milliseconds(5), [&] { after.set_value(); });
+  });
+  ASSERT_EQ(after.get_future().wait_for(kTestDeadline), std::future_status::ready);
+  lt.RunOnLoop([&] { EXPECT_EQ(fired, 0); });
+  lt.StopAndJoin();
 }
 
 }  // namespace
