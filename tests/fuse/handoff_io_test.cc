@@ -117,10 +117,12 @@ TEST_F(HandoffIoTest, AListenerAcceptsUntilClosedThenSaysItHasEnded) {
     EXPECT_TRUE(listener_->closed());
   });
   ASSERT_TRUE(WaitOnLoop([&] { return listener_->ended(); }));
-  lt_.RunOnLoop([&] { EXPECT_TRUE(ended) << "on_ended did not run"; });
-  // Closed: nobody listens any more.
-  UniqueFd late(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  EXPECT_NE(connect(late.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  lt_.RunOnLoop([&] {
+    EXPECT_TRUE(ended) << "on_ended did not run";
+    EXPECT_EQ(flags.size(), 2u) << "accepted after it was closed";
+  });
+  // (Whether a connect now fails is the kernel's: the cancelled accept's request may still hold
+  // the socket for a moment after its completion.)
 }
 
 TEST_F(HandoffIoTest, ASendCarriesItsFdsAndAReceiveTakesTheOnesThatCame) {
