@@ -122,12 +122,17 @@ class PendingWork {
     scheduled_ = true;
     const bool posted = loop_.Post([this] {
       scheduled_ = false;
-      if (count_ == 0) destroy_();  // else the last Ended schedules again
+      if (count_ == 0) Destroy();  // else the last Ended schedules again
     });
     if (posted) return;
     scheduled_ = false;
     // Refused while the loop's last posts run (a callback may be on the stack): left as it is.
-    if (loop_.finished()) destroy_();
+    if (loop_.finished()) Destroy();
+  }
+  // `destroy` destroys this, and itself with it: it runs from the stack.
+  void Destroy() {
+    absl::AnyInvocable<void()> destroy = std::move(destroy_);
+    destroy();
   }
 
   Loop& loop_;
