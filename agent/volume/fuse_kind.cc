@@ -348,7 +348,10 @@ void FuseKind::Stats(const state::Volume& v, const std::string& path, const std:
     resp.mutable_volume_condition()->set_message(ep->gone_reason);
     return done(resp);
   }
-  if (ep != nullptr && ep->endpoint->awaiting_redeposit()) {
+  // (No endpoint yet: a restarted agent is still making its socket again.)
+  const bool awaiting_redeposit =
+      ep != nullptr ? ep->endpoint->awaiting_redeposit() : restoring_.count(v.volume_id()) > 0;
+  if (awaiting_redeposit) {
     // Mounted by an earlier agent and possibly still served: ask the mount itself (under the
     // stats deadline), and say what is unknown if it does not answer.
     const std::string socket = v.fuse().socket_path();

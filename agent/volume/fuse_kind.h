@@ -16,6 +16,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -152,6 +153,9 @@ class FuseKind final : public VolumeKind {
   // One-shot waits of their own: server-gone graces, a server pod's directory looked for again.
   Timers later_;
   std::map<std::string, absl::Duration> pod_dir_waited_;  // by pod uid: how long its emptyDir was looked for
+  // Volumes whose handoff socket a restarted agent is making again (Started): they have no
+  // endpoint yet, and are awaiting a re-deposit as far as anyone asking can tell.
+  std::set<std::string> restoring_;
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer
   int64_t tunings_applied_ = 0, tunings_failed_ = 0;
 };

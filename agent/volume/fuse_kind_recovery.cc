@@ -49,6 +49,7 @@ void FuseKind::Started() {
     // its socket from that work's repair instead.
     ClaimQueue::Claim claim = host_.TryClaim(id);
     if (!claim) continue;
+    restoring_.insert(id);
     host_.RunClaimed(
         std::move(claim),
         KindJob{"handoff socket after restart",
@@ -62,7 +63,8 @@ void FuseKind::Started() {
                     return VolumeChange::Keep();
                   });
                 }},
-        [id = id](absl::Status s) {
+        [this, id = id](absl::Status s) {
+          restoring_.erase(id);
           LOG_IF(WARNING, !s.ok()) << "volume " << id << ": cannot listen for its FUSE server again: " << s;
         });
   }
@@ -386,6 +388,8 @@ void FuseKind::Count(const state::Volume& v, VolumeCounts* c) const {
   if (repairs_.running(v.volume_id())) {
     state = "repairing";
     ++c->repairs_in_progress;
+  } else if (ep == nullptr && restoring_.count(v.volume_id()) > 0) {
+    state = "awaiting_redeposit";  // its socket is being made again after an agent restart
   } else if (ep == nullptr) {
     state = "unwatched";
   } else if (ep->endpoint->serving()) {
