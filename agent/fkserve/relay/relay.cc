@@ -24,7 +24,6 @@
 #include "absl/strings/str_cat.h"
 #include "agent/fkserve/relay/fuse_wire.h"
 #include "agent/loop/loop.h"
-#include "agent/loop/timer.h"
 
 namespace fusekeeper::relay {
 
@@ -106,7 +105,6 @@ struct Relay::LoopState final : RelayOutput {
   LoopClock::time_point pending_since;  // handed over: since when the kernel has had requests unread
   int64_t pending_activity = 0;         // the pulse's last activity then
   Durability durability = Durability::kAtSync;
-  std::unique_ptr<Timer> watch_timer;  // Watch's tick (after `loop`: destroyed before it)
 
   ~LoopState() override {
     if (pulse != nullptr) munmap(pulse, 4096);
@@ -373,8 +371,7 @@ struct Relay::LoopState final : RelayOutput {
   void Watch(std::chrono::milliseconds tick) {
     if (ended) return;
     CheckProgram();
-    if (watch_timer == nullptr) watch_timer = std::make_unique<Timer>(*loop);
-    watch_timer->Arm(tick, [this, tick] { Watch(tick); });
+    loop->AddTimer(tick, [this, tick] { Watch(tick); });
   }
 
   std::string InitTimeoutWhy() const {
