@@ -167,6 +167,8 @@ void StartKubeletWatch(Loop& loop, BlockingPool& pool, Cluster& cluster, const A
     volumes.SetTerminatingPods(std::move(terminating));
     w->propagation->OnPods(pods);
   });
+  // A server that stops is checked against a fresh pod list before it is called a failure.
+  volumes.set_pod_refresher([w](std::function<void()> done) { w->poller->PollNow(std::move(done)); });
   loop.Post([w] { w->poller->Start(); });
   LOG(INFO) << "polling the kubelet at " << c.kubelet_url << " every " << c.kubelet_poll_period;
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "agent/base/fd_passing.h"
@@ -81,7 +82,7 @@ absl::StatusOr<Handoff> ReceiveHandoffBlocking(int sock, const std::string& mode
   for (int round = 0;; ++round) {
     absl::StatusOr<ReceivedMessage> msg = ReceiveHandoffMessage(sock);
     if (!msg.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat("receiving from the agent: ", msg.status().message()));
+      return absl::UnavailableError(absl::StrCat("receiving from the agent: ", msg.status().message()));
     }
     absl::StatusOr<MountConfig> config = DecodeMountConfig(msg->payload);
     if (!config.ok()) return absl::FailedPreconditionError(config.status().message());
@@ -100,6 +101,9 @@ absl::StatusOr<Handoff> ReceiveHandoffBlocking(int sock, const std::string& mode
     h.config = std::move(*config);
     h.fuse = std::move(msg->fd);
     if (h.config.live) h.relay_state = std::move(msg->fd2);
+    if (h.config.live && !ConnectionAlive(h.fuse.get())) {
+      return absl::AbortedError("the live connection the agent offered has ended (aborted); its fresh one comes next");
+    }
     if (!h.config.live || can_adopt(h)) return h;
     if (round > 0) {
       return absl::FailedPreconditionError("the agent offered a live connection again after a fresh one was asked for");
@@ -108,6 +112,40 @@ absl::StatusOr<Handoff> ReceiveHandoffBlocking(int sock, const std::string& mode
             h.config.volume_id.c_str(), mode.c_str());
     ReplyToAgent(sock, false, absl::StrCat(mode, " mode cannot adopt a live connection"), /*fresh=*/true);
   }
+}
+
+absl::StatusOr<NextHandoff> ReceiveNextHandoffBlocking(const std::string& path, uid_t agent_uid, const std::string& mode,
+                                                       const std::function<bool(const Handoff&)>& can_adopt,
+                                                       std::chrono::milliseconds wait) {
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  std::chrono::milliseconds pause = kNextHandoffDelay;
+  absl::Status last;
+  for (;;) {
+    // A plain sleep: nothing else happens in this process while it waits (it serves nothing).
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+    absl::StatusOr<UniqueFd> sock = TryConnectToAgent(path, agent_uid);
+    if (absl::IsNotFound(sock.status())) return sock.status();
+    if (sock.ok()) {
+      absl::StatusOr<Handoff> h = ReceiveHandoffBlocking(sock->get(), mode, can_adopt);
+      if (h.ok()) return NextHandoff{std::move(*sock), std::move(*h)};
+      last = h.status();
+    } else {
+      last = sock.status();
+    }
+    // A refusal (the agent has not yet seen this server's last connection end), the dead
+    // connection offered (the abort not yet seen), the agent restarting: all pass.
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat("no next connection from the agent within ", wait.count(),
+                                                 " ms: ", last.message()));
+    }
+  }
+}
+
+bool ConnectionAlive(int fuse_fd) {
+  pollfd p{fuse_fd, 0, 0};
+  // An ended connection polls POLLERR (fuse_dev_poll); a live one, nothing or POLLIN.
+  return poll(&p, 1, 0) >= 0 && (p.revents & POLLERR) == 0;
 }
 
 void SendToAgent(int sock, HandoffReply r, const char* what, int fd, int fd2) {

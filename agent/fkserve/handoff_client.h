@@ -44,9 +44,37 @@ struct Handoff {
 // cannot adopt (`can_adopt` false) is answered with a request for a fresh one, which the agent
 // sends on the same socket; `mode` names the server's mode in that request. Errors (the agent
 // refused, sent no /dev/fuse, offered a live connection twice) are FAILED_PRECONDITION and were
-// answered already where the agent waits for an answer.
+// answered already where the agent waits for an answer; UNAVAILABLE: the socket failed (the
+// agent closed it); ABORTED, unanswered: the live connection offered has ended already (aborted
+// before the agent noticed: it mounts a fresh one, which a later attempt gets).
 absl::StatusOr<Handoff> ReceiveHandoffBlocking(int sock, const std::string& mode,
                                                const std::function<bool(const Handoff&)>& can_adopt);
+
+// How serving one connection ended: fkserve's exit status, and whether the connection itself
+// ended (unmounted, or aborted) rather than the server being stopped or failing.
+struct Served {
+  int code = 0;
+  bool connection_ended = false;
+};
+
+// After the connection a server served ended: the volume's next one, on a new handoff
+// connection. An abort leaves the volume mounted, and the agent mounts a fresh connection and
+// waits on the same socket: the server that is still running takes it at once (a sidecar that
+// exited would wait out kubelet's restart back-off, and the pod's reads with it). An unmount
+// removes the socket first: NOT_FOUND, the server's work is done. Waits kNextHandoffDelay before
+// the first attempt (the agent tears the socket down, or sees the abort, meanwhile), and tries
+// again, backing off, while the agent refuses or offers the dead connection, for up to `wait`.
+inline constexpr std::chrono::milliseconds kNextHandoffDelay{200};
+struct NextHandoff {
+  UniqueFd sock;
+  Handoff handoff;
+};
+absl::StatusOr<NextHandoff> ReceiveNextHandoffBlocking(const std::string& path, uid_t agent_uid, const std::string& mode,
+                                                       const std::function<bool(const Handoff&)>& can_adopt,
+                                                       std::chrono::milliseconds wait);
+
+// Whether the /dev/fuse connection `fuse_fd` has not ended (aborted or unmounted).
+bool ConnectionAlive(int fuse_fd);
 
 // Answers the agent's handoff on `sock`; a failure to reply is printed, and changes nothing that
 // follows. `relay_state`: the relay's state memfd to deposit with an ok reply (-1: none).

@@ -78,6 +78,8 @@ class Launcher {
   // Sets up the relay (carrying on from `relay_state` if valid) and the first instance; then the
   // loop runs until the launcher is done. Returns fkserve's exit status.
   int Run(UniqueFd relay_state);
+  // After Run: the relay saw the kernel's connection end (not a stop that ended it).
+  bool connection_ended() const { return relay_ != nullptr && connection_ended_ && !stop_requested_; }
 
  private:
   int Fail(int code, const std::string& why) {
@@ -466,11 +468,11 @@ void Launcher::Finish() {
 
 }  // namespace
 
-int Launch(UniqueFd sock, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& o) {
+Served Launch(UniqueFd sock, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& o) {
   if (o.program.empty()) {
     ReplyToAgent(sock.get(), false, "launch: no program given (fkserve launch -- <program> [args])");
     fprintf(stderr, "fkserve: launch: no program given (fkserve launch -- <program> [args])\n");
-    return 2;
+    return {2};
   }
   // Signals come from a signalfd on the loop: blocked before any thread starts (the relay's
   // notifier), so that none takes them the classic way. The program gets a clean mask.
@@ -482,10 +484,11 @@ int Launch(UniqueFd sock, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOp
   auto loop = Loop::Create({.epoll_only = "fkserve's loop, so that a killed launcher's sockets close at once"});
   if (!loop.ok()) {
     ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
-    return 5;
+    return {5};
   }
   Launcher launcher(**loop, o, std::move(sock), std::move(fuse_fd));
-  return launcher.Run(std::move(relay_state));
+  const int code = launcher.Run(std::move(relay_state));
+  return {code, launcher.connection_ended()};
 }
 
 }  // namespace fusekeeper

@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "agent/base/unique_fd.h"
+#include "agent/fkserve/handoff_client.h"
 #include "agent/fkserve/relay/durability.h"
 
 namespace fusekeeper {
@@ -86,11 +87,12 @@ absl::Status CheckDurability(const std::string& durability);
 relay::Durability ResolveDurability(const LaunchOptions& options);
 
 // Runs the program on `fuse_fd`, answering the handoff on `sock`; returns fkserve's exit status:
-// the program's (128+signal if it was killed). `relay_state`: the state a dead launcher of this
+// the program's (128+signal if it was killed); relayed, whether the kernel's connection ended
+// (unmounted or aborted) under it, rather than a stop or the program's own end. `relay_state`: the state a dead launcher of this
 // connection deposited with the agent (a live config's second fd): relayed, the launcher carries
 // on from it (the program is started as after a crash of its own); if it cannot, it asks the agent
 // for a fresh connection on `sock`. Invalid: a new connection.
-int Launch(UniqueFd sock, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& options);
+Served Launch(UniqueFd sock, UniqueFd fuse_fd, UniqueFd relay_state, const LaunchOptions& options);
 
 // Replaces {fd} and {mountpoint} in each argument.
 std::vector<std::string> ExpandProgramArgs(const std::vector<std::string>& program, int fd,

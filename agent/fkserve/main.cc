@@ -36,6 +36,7 @@
 #include "agent/fkserve/tools.h"
 #include "agent/fkserve/serve.h"
 #include "agent/fuse/handoff_protocol.h"
+#include "agent/loop/signals.h"
 #include "agent/version.h"
 #include "gflags/gflags.h"
 
@@ -107,6 +108,25 @@ void ExitOnStopSignal(int sig) { _exit(128 + sig); }
 
 using fusekeeper::UniqueFd;
 
+int Fail(int code, const std::string& message) {
+  fprintf(stderr, "fkserve: %s\n", message.c_str());
+  return code;
+}
+
+// Beside --ready_file while the server waits for its socket: why, for `ready` (a startupProbe's
+// output is what kubelet's Unhealthy Event quotes).
+std::string WaitingFile() { return FLAGS_ready_file + ".waiting"; }
+
+void WriteMarker(const std::string& path, const std::string& text) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    fprintf(stderr, "fkserve: creating %s: %s\n", path.c_str(), strerror(errno));
+    return;
+  }
+  (void)!write(fd, text.data(), text.size());
+  close(fd);
+}
+
 // The --ready_file marker: created when serving starts, removed when it ends.
 void MarkReady(bool ready) {
   if (FLAGS_ready_file.empty()) return;
@@ -114,17 +134,28 @@ void MarkReady(bool ready) {
     unlink(FLAGS_ready_file.c_str());
     return;
   }
-  int fd = open(FLAGS_ready_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    fprintf(stderr, "fkserve: creating --ready_file %s: %s\n", FLAGS_ready_file.c_str(), strerror(errno));
-    return;
-  }
-  close(fd);
+  unlink(WaitingFile().c_str());
+  WriteMarker(FLAGS_ready_file, "");
 }
 
-int Fail(int code, const std::string& message) {
-  fprintf(stderr, "fkserve: %s\n", message.c_str());
-  return code;
+// The server waits for its handoff socket (or its agent): said on stderr and to `ready`.
+void SayWaiting(const std::string& why) {
+  if (!FLAGS_ready_file.empty()) WriteMarker(WaitingFile(), why);
+  fprintf(stderr, "fkserve: %s\n", why.c_str());
+}
+
+// `ready`: 0 once serving; else 1, saying why not (the server's own words while it waits).
+int Ready() {
+  if (access(FLAGS_ready_file.c_str(), F_OK) == 0) return 0;
+  std::string why;
+  if (FILE* f = fopen(WaitingFile().c_str(), "re"); f != nullptr) {
+    char buf[1024];
+    const size_t n = fread(buf, 1, sizeof(buf), f);
+    fclose(f);
+    why.assign(buf, n);
+  }
+  return Fail(1, why.empty() ? absl::StrCat("not serving yet (no ", FLAGS_ready_file, ")")
+                             : absl::StrCat("not serving yet: ", why));
 }
 
 // `launch`'s options: the flags, the volume's config, and where fkserve's tools are.
@@ -229,33 +260,52 @@ int main(int argc, char** argv) {
   if (cmd.mode == "install-tools") return InstallTools(cmd.mode_arg);
   if (cmd.mode == "ready") {
     if (FLAGS_ready_file.empty()) return Fail(2, "ready needs --ready_file");
-    if (access(FLAGS_ready_file.c_str(), F_OK) == 0) return 0;
-    return Fail(1, absl::StrCat("not serving yet (no ", FLAGS_ready_file, ")"));
+    return Ready();
   }
   if (const std::string bad = CheckServingFlags(cmd.mode); !bad.empty()) return Fail(2, bad);
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
   absl::StatusOr<UniqueFd> sock = fusekeeper::ConnectToAgentBlocking(
-      FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid), std::chrono::milliseconds(FLAGS_socket_wait_ms),
-      [](const std::string& why) { fprintf(stderr, "fkserve: %s\n", why.c_str()); });
+      FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid), std::chrono::milliseconds(FLAGS_socket_wait_ms), SayWaiting);
   if (!sock.ok()) return Fail(3, std::string(sock.status().message()));
   // `serve` replays the first server's INIT; a relayed `launch` carries on from the relay state
   // the launcher before it deposited with the agent. Any other live connection is refused for a
   // fresh one.
-  absl::StatusOr<fusekeeper::Handoff> handoff =
-      fusekeeper::ReceiveHandoffBlocking(sock->get(), cmd.mode, [&](const fusekeeper::Handoff& h) {
-        return (cmd.mode == "serve" && !h.config.init.empty()) ||
-               (cmd.mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid() &&
-                fusekeeper::relay::StateJournal::LooksLikeOne(h.relay_state.get()));
-      });
+  auto can_adopt = [&](const fusekeeper::Handoff& h) {
+    return (cmd.mode == "serve" && !h.config.init.empty()) ||
+           (cmd.mode == "launch" && !FLAGS_direct && h.config.relay_state && h.relay_state.valid() &&
+            fusekeeper::relay::StateJournal::LooksLikeOne(h.relay_state.get()));
+  };
+  absl::StatusOr<fusekeeper::Handoff> handoff = fusekeeper::ReceiveHandoffBlocking(sock->get(), cmd.mode, can_adopt);
   if (!handoff.ok()) return Fail(4, std::string(handoff.status().message()));
-  fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", handoff->config.volume_id.c_str(), cmd.mode.c_str(),
-          handoff->config.live ? ", adopting the live connection" : "");
-  if (cmd.mode == "launch") {
-    const fusekeeper::LaunchOptions lo = LaunchOptionsFromFlags(cmd.program, &handoff->config);
-    return fusekeeper::Launch(std::move(*sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
+  // Serves each connection the volume gets: after an abort the agent mounts a fresh one on the
+  // same socket, and this server takes it (handoff_client.h ReceiveNextHandoffBlocking).
+  for (;;) {
+    fprintf(stderr, "fkserve: serving volume %s (%s%s)\n", handoff->config.volume_id.c_str(), cmd.mode.c_str(),
+            handoff->config.live ? ", adopting the live connection" : "");
+    fusekeeper::Served served;
+    if (cmd.mode == "launch") {
+      const fusekeeper::LaunchOptions lo = LaunchOptionsFromFlags(cmd.program, &handoff->config);
+      served = fusekeeper::Launch(std::move(*sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
+    } else {
+      served = fusekeeper::Serve(std::move(*sock), std::move(*handoff),
+                                 {.root = FLAGS_root, .passthrough = FLAGS_passthrough, .xattrs = FLAGS_xattrs,
+                                  .socket_path = FLAGS_socket, .agent_uid = static_cast<uid_t>(FLAGS_agent_uid),
+                                  .mark_ready = MarkReady});
+    }
+    if (!served.connection_ended) return served.code;
+    // Serving blocked the stop signals (a signalfd took them): between connections they end
+    // the process again.
+    fusekeeper::UnblockSignals({SIGTERM, SIGINT, SIGHUP});
+    fprintf(stderr, "fkserve: the connection ended; asking the agent for the volume's next one\n");
+    auto next = fusekeeper::ReceiveNextHandoffBlocking(FLAGS_socket, static_cast<uid_t>(FLAGS_agent_uid), cmd.mode,
+                                                       can_adopt, std::chrono::milliseconds(FLAGS_socket_wait_ms));
+    if (absl::IsNotFound(next.status())) {
+      fprintf(stderr, "fkserve: the volume's socket is gone (unpublished): done\n");
+      return served.code;
+    }
+    if (!next.ok()) return Fail(3, std::string(next.status().message()));
+    sock = std::move(next->sock);
+    handoff = std::move(next->handoff);
   }
-  return fusekeeper::Serve(std::move(*sock), std::move(*handoff),
-                           {.root = FLAGS_root, .passthrough = FLAGS_passthrough, .xattrs = FLAGS_xattrs, .socket_path = FLAGS_socket,
-                            .agent_uid = static_cast<uid_t>(FLAGS_agent_uid), .mark_ready = MarkReady});
 }

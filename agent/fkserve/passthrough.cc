@@ -427,6 +427,8 @@ ssize_t IoRead(int fd, void* buf, size_t len, void* userdata) {
   while (true) {
     // With a stop fd the connection is non-blocking: a busy server reads without a poll first.
     const ssize_t n = read(fd, buf, len);
+    // An aborted connection answers reads ECONNABORTED: ended, as libfuse takes ENODEV.
+    if (n < 0 && errno == ECONNABORTED) errno = ENODEV;
     if (n >= 0 || errno != EAGAIN || io->stop_fd < 0) return n;
     pollfd p[2] = {{fd, POLLIN, 0}, {io->stop_fd, POLLIN, 0}};
     if (poll(p, 2, -1) < 0 && errno != EINTR) return -1;

@@ -66,7 +66,7 @@ std::unique_ptr<BackingTable> WirePassthrough(Handoff* handoff, bool on, Backing
 
 }  // namespace
 
-int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
+Served Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   PassthroughOptions options;
   options.root = o.root;
   options.read_only = handoff.config.read_only;
@@ -75,7 +75,7 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   struct stat root_st;
   if (stat(o.root.c_str(), &root_st) != 0 || !S_ISDIR(root_st.st_mode)) {
     ReplyToAgent(sock.get(), false, absl::StrCat("export root ", o.root, " is not a directory this server can see"));
-    return Fail(5, absl::StrCat("--root ", o.root, " is not a directory"));
+    return {Fail(5, absl::StrCat("--root ", o.root, " is not a directory"))};
   }
   if (handoff.config.live) {
     options.init_request = handoff.config.init;
@@ -85,7 +85,7 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
     auto init = ReadInitRequest(handoff.fuse.get(), 10000);
     if (!init.ok()) {
       ReplyToAgent(sock.get(), false, std::string(init.status().message()));
-      return Fail(5, std::string(init.status().message()));
+      return {Fail(5, std::string(init.status().message()))};
     }
     options.init_request = std::move(*init);
   }
@@ -100,10 +100,12 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
   auto loop = Loop::Create({.epoll_only = "fkserve's loop, so that a killed server's sockets close at once"});
   if (!loop.ok()) {
     ReplyToAgent(sock.get(), false, absl::StrCat("cannot make an event loop: ", loop.status().message()));
-    return Fail(5, std::string(loop.status().message()));
+    return {Fail(5, std::string(loop.status().message()))};
   }
   UniqueFd stop(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  auto stop_serving = [&stop] {
+  bool stopped = false;  // asked to stop (a signal, the agent): not the connection's end
+  auto stop_serving = [&stop, &stopped] {
+    stopped = true;
     const uint64_t one = 1;
     (void)!write(stop.get(), &one, sizeof(one));
   };
@@ -123,7 +125,7 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
     if (sig == SIGTERM && link.HoldStop()) return;
     stop_serving();
   });
-  if (!signals.ok()) return Fail(5, std::string(signals.status().message()));
+  if (!signals.ok()) return {Fail(5, std::string(signals.status().message()))};
   link.Start();
   if (o.mark_ready) o.mark_ready(true);
   absl::Status s;
@@ -139,8 +141,8 @@ int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& o) {
     fprintf(stderr, "fkserve: %lld open(s) passed through to their backing files\n",
             static_cast<long long>(backing.opened()));
   }
-  if (!s.ok()) return Fail(5, std::string(s.message()));
-  return 0;
+  if (!s.ok()) return {Fail(5, std::string(s.message()))};
+  return {0, !stopped};
 }
 
 

@@ -24,7 +24,7 @@ struct ServeOptions {
 };
 
 // Answers the handoff on `sock` (a root it cannot see, or a connection with no FUSE_INIT, is
-// reported to the agent) and serves until the connection ends or a stop. fkserve's exit status.
-int Serve(UniqueFd sock, Handoff handoff, const ServeOptions& options);
+// reported to the agent) and serves until the connection ends or a stop.
+Served Serve(UniqueFd sock, Handoff handoff, const ServeOptions& options);
 
 }  // namespace fusekeeper

@@ -1,5 +1,7 @@
 #include "agent/kubelet/kubelet_poller.h"
 
+#include <utility>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
@@ -23,7 +25,24 @@ void KubeletPoller::Schedule(absl::Duration after) {
 }
 
 void KubeletPoller::Poll() {
+  in_flight_ = true;
   token_.Refresh([this] { Send(); });
+}
+
+void KubeletPoller::PollNow(std::function<void()> done) {
+  waiting_.push_back(std::move(done));
+  if (in_flight_) return;  // Answered sends the next one
+  next_poll_.Cancel();
+  Poll();
+}
+
+void KubeletPoller::Answered(std::vector<std::function<void()>> callers) {
+  in_flight_ = false;
+  for (auto& done : callers) done();
+  if (!waiting_.empty()) {
+    next_poll_.Cancel();
+    Poll();
+  }
 }
 
 void KubeletPoller::Send() {
@@ -34,7 +53,8 @@ void KubeletPoller::Send() {
   r.timeout = options_.timeout;
   if (!token_.value().empty()) r.headers.push_back(absl::StrCat("Authorization: Bearer ", token_.value()));
   ++polls_;
-  http_.Send(std::move(r), [this](absl::StatusOr<HttpResult> res) {
+  // Whoever asked before this request left is answered by it; later callers by the next.
+  http_.Send(std::move(r), [this, callers = std::exchange(waiting_, {})](absl::StatusOr<HttpResult> res) mutable {
     std::string why;
     if (!res.ok()) {
       why = std::string(res.status().message());
@@ -54,7 +74,8 @@ void KubeletPoller::Send() {
       }
       for (const ContainerRestart& c : detector_.Update(*pods)) on_restart_(c);
       if (on_pods_) on_pods_(*pods);
-      return Schedule(options_.period);
+      Schedule(options_.period);
+      return Answered(std::move(callers));
     }
     ++errors_;
     // A kubelet that is not listening (down, restarting, the agent started first) costs nothing
@@ -79,6 +100,7 @@ void KubeletPoller::Send() {
     }
     if (on_error_) on_error_(why);
     Schedule(backoff_);
+    Answered(std::move(callers));
   });
 }
 

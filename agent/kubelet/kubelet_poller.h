@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "agent/kube/http_client.h"
@@ -42,6 +43,10 @@ class KubeletPoller {
   void set_on_pods(std::function<void(const std::vector<PodStatus>&)> on_pods) { on_pods_ = std::move(on_pods); }
   // Loop thread.
   void Start();
+  // Loop thread. A poll sent now (or, with one in flight, right after it: that one may have left
+  // before what the caller wants to see), then `done`, once its answer or error has been taken
+  // in. Callers that come while one waits share the next poll.
+  void PollNow(std::function<void()> done);
   int64_t polls() const { return polls_; }
   int64_t errors() const { return errors_; }
   // The wait before the next poll after an error (loop thread).
@@ -51,6 +56,9 @@ class KubeletPoller {
   void Poll();
   void Send();
   void Schedule(absl::Duration after);
+  // After a poll's answer (or error): its PollNow callers are told, and a poll asked for while
+  // it was in flight is sent.
+  void Answered(std::vector<std::function<void()>> callers);
 
   Loop& loop_;
   HttpClient& http_;
@@ -65,6 +73,8 @@ class KubeletPoller {
   int64_t failing_polls_ = 0;  // in a row, since the last good answer
   absl::Time failing_since_;
   Timer next_poll_;
+  bool in_flight_ = false;  // from Poll until its answer is handled
+  std::vector<std::function<void()>> waiting_;  // PollNow callers for the next poll sent
 };
 
 }  // namespace fusekeeper

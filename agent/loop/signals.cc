@@ -20,6 +20,14 @@ void BlockSignals(std::initializer_list<int> signals) {
   CHECK_EQ(r, 0) << "pthread_sigmask: " << std::strerror(r);
 }
 
+void UnblockSignals(std::initializer_list<int> signals) {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int s : signals) sigaddset(&set, s);
+  int r = pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
+  CHECK_EQ(r, 0) << "pthread_sigmask: " << std::strerror(r);
+}
+
 absl::StatusOr<std::unique_ptr<SignalWatcher>> SignalWatcher::Create(
     Loop& loop, std::initializer_list<int> signals, absl::AnyInvocable<void(int)> on_signal) {
   sigset_t set;

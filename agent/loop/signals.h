@@ -18,6 +18,8 @@ namespace fusekeeper {
 
 // Blocks signals in the calling thread; threads created afterwards inherit the mask.
 void BlockSignals(std::initializer_list<int> signals);
+// Unblocks them in the calling thread (their handlers, or default actions, apply again).
+void UnblockSignals(std::initializer_list<int> signals);
 
 class SignalWatcher {
  public:

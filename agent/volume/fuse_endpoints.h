@@ -45,6 +45,8 @@ struct FuseEndpoint {
   Timer init_deadline;
   std::string answer_server;
   Timer tune_retry;  // the tuning waits for an RPC on the volume
+  // The device of the directory its handoff socket was made in (fuse_volume_ops.h HandoffSocket).
+  uint32_t socket_dir_major = 0, socket_dir_minor = 0;
 };
 
 class FuseEndpoints {

@@ -215,7 +215,7 @@ KindJob FuseKind::MountJob(std::string reason, state::Volume v, int target_index
         if (!m.ok()) return m.status();
         return AdoptFn([this, m = std::make_shared<FuseMounted>(std::move(*m)), path,
                         secrets = std::move(secrets), server_options = std::move(server_options)] {
-          StartEndpoint(m->volume, path, std::move(m->fuse_fd), std::move(m->listen_fd), secrets, server_options);
+          StartEndpoint(m->volume, path, std::move(m->fuse_fd), std::move(m->socket), secrets, server_options);
           return VolumeChange::Set(std::move(m->volume));
         });
       }};

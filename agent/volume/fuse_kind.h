@@ -106,7 +106,7 @@ class FuseKind final : public VolumeKind {
                    std::vector<std::string> server_options);
   // `unclaimed_timeout`: a fresh volume no server claims within handoff_timeout is given up on
   // (volumes an earlier agent or a repair mounted keep waiting).
-  void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,
+  void StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, HandoffSocket socket,
                      const std::map<std::string, std::string>& secrets,
                      const std::vector<std::string>& mount_options, bool unclaimed_timeout = true);
   // What the endpoint of the mount at `path` tells this kind.
@@ -126,6 +126,10 @@ class FuseKind final : public VolumeKind {
   void GiveUpOnConnection(FuseEndpoint& e, const state::Volume& v, const std::string& path, ClaimQueue::Claim claim,
                           const char* reason, const std::string& message, const char* job);
   void OnServerGone(const std::string& volume_id, const std::string& path, const absl::Status& why);
+  // After the grace (and a fresh pod list): a server gone and not back, from a pod that is not
+  // going away, is a Warning. Endpoint `serial` only (a later one is another story).
+  void ServerGoneSettled(const std::string& volume_id, const std::string& path, const std::string& message,
+                         uint64_t serial);
   void OnServed(const std::string& volume_id, const std::string& path, bool adopted);
   // Gives the volume a fresh connection and re-binds its targets.
   void RepairFuse(const std::string& volume_id, const std::string& why);
@@ -143,6 +147,13 @@ class FuseKind final : public VolumeKind {
   // Listens in the pod's handoff emptyDir once the kubelet has made it, as one more listener of
   // the volume's endpoint (retried, backing off, while the pod exists and the directory does not).
   void AttachPodListener(const std::string& volume_id, const std::string& pod_uid, absl::Duration retry);
+  // An inline volume's handoff socket is under a mount made on its directory after it (the
+  // kubelet mounts a Memory emptyDir's tmpfs on a directory it made first, and sets up a pod's
+  // volumes in parallel): the sidecar sees an empty directory and waits for ever.
+  bool SocketHidden(const MountTable& table, const state::Volume& v) const;
+  // Makes the socket again where the server looks, as the endpoint's listener; false if the
+  // volume is busy (the audit comes back).
+  bool MakeSocketAgain(const state::Volume& v);
   // Whether a server from that pod serves the volume or waits to (a roll may retire the old pod).
   bool ServerWaitsFrom(const std::string& volume_id, const std::string& pod_uid) const;
 
@@ -156,6 +167,7 @@ class FuseKind final : public VolumeKind {
   // Volumes whose handoff socket a restarted agent is making again (Started): they have no
   // endpoint yet, and are awaiting a re-deposit as far as anyone asking can tell.
   std::set<std::string> restoring_;
+  std::set<std::string> remaking_socket_;  // volumes whose hidden socket is being made again
   int64_t servers_not_answering_ = 0;  // connections aborted because their server did not answer
   int64_t tunings_applied_ = 0, tunings_failed_ = 0;
 };

@@ -48,13 +48,15 @@ HandoffOptions HandoffOptionsFor(const FuseKindOptions& o, const state::Volume& 
 
 }  // namespace
 
-void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, UniqueFd listen_fd,
+void FuseKind::StartEndpoint(const state::Volume& v, const std::string& path, UniqueFd fuse_fd, HandoffSocket socket,
                              const std::map<std::string, std::string>& secrets,
                              const std::vector<std::string>& mount_options, bool unclaimed_timeout) {
   const std::string vid = v.volume_id();
   StopEndpoint(vid, path);
   FuseEndpoint& e = endpoints_.Add(vid, path);
-  e.endpoint = HandoffEndpoint::Start(host_.loop(), std::move(listen_fd), std::move(fuse_fd),
+  e.socket_dir_major = socket.dir_major;
+  e.socket_dir_minor = socket.dir_minor;
+  e.endpoint = HandoffEndpoint::Start(host_.loop(), std::move(socket.listen_fd), std::move(fuse_fd),
                                       HandoffConfig(v, path, secrets, mount_options),
                                       HandoffOptionsFor(options_, v, path, &broker_), HandoffEvents(vid, path));
   if (unclaimed_timeout) {
@@ -140,6 +142,52 @@ HandoffEndpoint::Events FuseKind::HandoffEvents(const std::string& vid, const st
     };
   }
   return events;
+}
+
+bool FuseKind::SocketHidden(const MountTable& table, const state::Volume& v) const {
+  const std::string& socket = v.fuse().socket_path();
+  const FuseEndpoint* ep = endpoints_.Find(v.volume_id(), FuseMountPath(v));
+  if (ep == nullptr || socket.empty() || remaking_socket_.count(v.volume_id()) > 0) return false;
+  const std::string dir = socket.substr(0, socket.rfind('/'));
+  const MountEntry* top = table.FindTop(host_.ops_context().kubelet->MountTablePath(dir));
+  return top != nullptr && (top->major != ep->socket_dir_major || top->minor != ep->socket_dir_minor);
+}
+
+bool FuseKind::MakeSocketAgain(const state::Volume& v) {
+  const std::string vid = v.volume_id();
+  ClaimQueue::Claim claim = host_.TryClaim(vid);
+  if (!claim) return false;
+  const std::string path = FuseMountPath(v);
+  LOG(WARNING) << "volume " << vid << ": its handoff socket " << v.fuse().socket_path()
+               << " is hidden by a mount made on its directory since (a Memory emptyDir's tmpfs); making it again "
+                  "on top, where the server looks";
+  remaking_socket_.insert(vid);
+  host_.RunClaimed(
+      std::move(claim),
+      KindJob{"handoff socket made again over a mount",
+              [this, ctx = host_.ops_context(), v, vid, path]() -> absl::StatusOr<AdoptFn> {
+                auto socket = ListenForServerBlocking(ctx, v);
+                if (!socket.ok()) return socket.status();
+                return AdoptFn([this, vid, path, s = std::make_shared<HandoffSocket>(std::move(*socket))] {
+                  FuseEndpoint* ep = endpoints_.Find(vid, path);
+                  if (ep == nullptr) return VolumeChange::Keep();  // torn down meanwhile
+                  ep->socket_dir_major = s->dir_major;
+                  ep->socket_dir_minor = s->dir_minor;
+                  ep->endpoint->AddListener(std::move(s->listen_fd), "");
+                  LOG(INFO) << "volume " << vid << ": handoff socket made again; its server can connect";
+                  return VolumeChange::Keep();
+                });
+              }},
+      [this, vid](absl::Status s) {
+        remaking_socket_.erase(vid);
+        if (s.ok()) return;
+        const state::Volume* now = host_.Find(vid);
+        if (now == nullptr) return;
+        host_.Event(*now, "Warning", "HandoffSocketHidden",
+                    absl::StrCat("volume ", vid, ": its handoff socket is hidden by a mount made on its directory "
+                                 "and cannot be made again (", s.message(), "); its FUSE server cannot connect"));
+      });
+  return true;
 }
 
 void FuseKind::OnServerPod(const std::string& volume_id, const std::string& pod_name, const std::string& pod_uid) {

@@ -12,12 +12,6 @@
 namespace fusekeeper {
 namespace {
 
-// The path of the volume's FUSE mount: the global mount, or an inline volume's only target.
-std::string FuseMountPath(const state::Volume& v) {
-  if (!v.staging_path().empty()) return v.staging_path();
-  return v.targets_size() == 1 ? v.targets(0).path() : "";
-}
-
 bool SameDev(const MountEntry* e, const state::MountIdentity& id) {
   return e != nullptr && e->major == id.dev_major() && e->minor == id.dev_minor();
 }
@@ -56,9 +50,9 @@ void FuseKind::Started() {
                 [this, ctx = host_.ops_context(), v = v, id = id, path]() -> absl::StatusOr<AdoptFn> {
                   auto listen = ListenForServerBlocking(ctx, v);
                   if (!listen.ok()) return listen.status();
-                  return AdoptFn([this, id, path, fd = std::make_shared<UniqueFd>(std::move(*listen))] {
+                  return AdoptFn([this, id, path, socket = std::make_shared<HandoffSocket>(std::move(*listen))] {
                     if (const state::Volume* now = host_.Find(id); now != nullptr) {
-                      StartEndpoint(*now, path, UniqueFd(), std::move(*fd), {}, {}, /*unclaimed_timeout=*/false);
+                      StartEndpoint(*now, path, UniqueFd(), std::move(*socket), {}, {}, /*unclaimed_timeout=*/false);
                     }
                     return VolumeChange::Keep();
                   });
@@ -112,12 +106,29 @@ void FuseKind::OnServerGone(const std::string& volume_id, const std::string& pat
                     << absl::FormatDuration(options_.server_gone_grace) << ": no Warning";
           return;
         }
-        if (host_.AllPodsTerminating(*v)) {
-          LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped while its pod is terminating: no Warning";
-          return;
-        }
-        host_.Event(*v, "Warning", "FuseServerNotConnected", message);
+        if (host_.AllPodsTerminating(*v)) return ServerGoneSettled(volume_id, path, message, serial);
+        // The pod list read last may predate the pod's deletion (the kubelet stops a deleted
+        // pod's sidecar within seconds): asked again before this is called a failure.
+        host_.RefreshPods([this, volume_id, path, message, serial] {
+          ServerGoneSettled(volume_id, path, message, serial);
+        });
       });
+}
+
+void FuseKind::ServerGoneSettled(const std::string& volume_id, const std::string& path, const std::string& message,
+                                 uint64_t serial) {
+  FuseEndpoint* ep = endpoints_.Find(volume_id, path, serial);
+  const state::Volume* v = host_.Find(volume_id);
+  if (ep == nullptr || v == nullptr) return;  // unpublished meanwhile
+  if (ep->endpoint->serving()) {
+    LOG(INFO) << "volume " << volume_id << ": its FUSE server is back: no Warning";
+    return;
+  }
+  if (host_.AllPodsTerminating(*v)) {
+    LOG(INFO) << "volume " << volume_id << ": its FUSE server stopped while its pod is terminating: no Warning";
+    return;
+  }
+  host_.Event(*v, "Warning", "FuseServerNotConnected", message);
 }
 
 void FuseKind::OnServed(const std::string& volume_id, const std::string& path, bool adopted) {
@@ -230,7 +241,7 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
   struct Repaired {
     FuseRemounted remounted;
     RebindOutcome rebound;
-    UniqueFd listen_fd;
+    HandoffSocket socket;
   };
   const bool need_listen = ep == nullptr;
   KindJob job{
@@ -246,7 +257,7 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
         if (need_listen) {
           auto l = ListenForServerBlocking(ctx, r->rebound.volume);
           if (!l.ok()) return l.status();
-          r->listen_fd = std::move(*l);
+          r->socket = std::move(*l);
         }
         return AdoptFn([this, r, volume_id, path, since] {
           repairs_.Succeeded(volume_id);
@@ -255,7 +266,7 @@ void FuseKind::RepairFuse(const std::string& volume_id, const std::string& why) 
             ep->StopAnswerProbe();  // the connection it asked through is gone
             ep->endpoint->ReplaceConnection(std::move(r->remounted.fuse_fd));
           } else {
-            StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->listen_fd), {}, {},
+            StartEndpoint(r->rebound.volume, path, std::move(r->remounted.fuse_fd), std::move(r->socket), {}, {},
                           /*unclaimed_timeout=*/false);
             ep = endpoints_.Find(volume_id, path);
           }
@@ -366,6 +377,8 @@ bool FuseKind::Audit(const MountTable& table, const state::Volume& v, const std:
       // Its live layer was removed, leaving the (dead) base on top.
       RepairFuse(id, absl::StrCat(why, ": the FUSE mount at ", v.targets(0).path(),
                                   " is no longer the live connection"));
+    } else if (SocketHidden(table, v)) {
+      return MakeSocketAgain(v);
     }
   }
   return true;

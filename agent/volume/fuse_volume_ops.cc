@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,6 +49,15 @@ absl::StatusOr<UniqueFd> OpenKubeletSocketDirBlocking(const VolumeOpsContext& ct
         "server's uid ", server_uid));
   }
   return std::move(*fd);
+}
+
+// The socket `name` made listening in `dir_fd`, with that directory's device.
+absl::StatusOr<HandoffSocket> ListenIn(int dir_fd, const std::string& name, const state::Volume& v) {
+  struct stat st;
+  if (fstat(dir_fd, &st) != 0) return ErrnoStatus(errno, "stat", Dir(v.fuse().socket_path()));
+  auto listen = HandoffEndpoint::ListenBlocking(dir_fd, name, v.fuse().server_uid(), v.fuse().server_gid());
+  if (!listen.ok()) return listen.status();
+  return HandoffSocket{std::move(*listen), major(st.st_dev), minor(st.st_dev)};
 }
 
 // Opens the directory that will hold the handoff socket.
@@ -103,6 +113,11 @@ void RecordMounted(state::Volume& v, int target_index, const state::MountIdentit
 
 }  // namespace
 
+std::string FuseMountPath(const state::Volume& v) {
+  if (!v.staging_path().empty()) return v.staging_path();
+  return v.targets_size() == 1 ? v.targets(0).path() : "";
+}
+
 absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx, state::Volume v,
                                                     int target_index, std::optional<state::Volume> previous,
                                                     bool socket_in_kubelet_dir) {
@@ -156,8 +171,7 @@ absl::StatusOr<FuseMounted> MountFuseVolumeBlocking(const VolumeOpsContext& ctx,
   const state::MountIdentity id = IdentityOf(**facts);
   v.set_source_dev_major(id.dev_major());
   v.set_source_dev_minor(id.dev_minor());
-  auto listen = HandoffEndpoint::ListenBlocking(socket_dir->get(), Name(v.fuse().socket_path()),
-                                                v.fuse().server_uid(), v.fuse().server_gid());
+  auto listen = ListenIn(socket_dir->get(), Name(v.fuse().socket_path()), v);
   if (!listen.ok()) {
     mounted->Reset();
     AbortFuseConnectionBlocking(id.dev_minor());
@@ -200,12 +214,11 @@ absl::StatusOr<UniqueFd> ListenInServerPodBlocking(const VolumeOpsContext& ctx, 
   return HandoffEndpoint::ListenBlocking(fd->get(), socket_name, v.fuse().server_uid(), v.fuse().server_gid());
 }
 
-absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {
+absl::StatusOr<HandoffSocket> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& v) {
   const bool in_kubelet_dir = v.staging_path().empty();
   auto dir = OpenSocketDirBlocking(ctx, v, in_kubelet_dir);
   if (!dir.ok()) return dir.status();
-  return HandoffEndpoint::ListenBlocking(dir->get(), Name(v.fuse().socket_path()), v.fuse().server_uid(),
-                                         v.fuse().server_gid());
+  return ListenIn(dir->get(), Name(v.fuse().socket_path()), v);
 }
 
 absl::StatusOr<FuseRemounted> RemountFuseBlocking(const VolumeOpsContext& ctx, state::Volume v) {

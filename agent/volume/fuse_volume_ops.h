@@ -16,11 +16,23 @@
 
 namespace fusekeeper {
 
+// A volume's handoff socket, listening, and the device of the directory it was made in. A mount
+// on that directory made after it (the tmpfs of a Memory emptyDir, which the kubelet mounts on a
+// directory it made first) hides the socket from the server: the device then differs.
+struct HandoffSocket {
+  UniqueFd listen_fd;
+  uint32_t dir_major = 0, dir_minor = 0;
+};
+
 struct FuseMounted {
   state::Volume volume;  // with the new mount's identity recorded
   UniqueFd fuse_fd;      // the agent's own fd on the connection (for the handoff endpoint)
-  UniqueFd listen_fd;    // the handoff socket, listening
+  HandoffSocket socket;
 };
+
+// The path of the volume's FUSE mount: the global mount, or an inline volume's only target
+// ("" for neither).
+std::string FuseMountPath(const state::Volume& v);
 
 // target_index < 0: mount at the staging path; else at volume.targets(target_index).
 // volume.fuse().socket_path() must be set; `socket_in_kubelet_dir` says it is a pod's emptyDir
@@ -73,7 +85,8 @@ absl::StatusOr<UniqueFd> ListenInServerPodBlocking(const VolumeOpsContext& ctx, 
                                                    const std::string& pod_uid, const std::string& empty_dir,
                                                    const std::string& socket_name);
 
-// The volume's handoff socket, made again (an agent restarted without its endpoints).
-absl::StatusOr<UniqueFd> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& volume);
+// The volume's handoff socket, made again (an agent restarted without its endpoints, or a
+// mount on its directory hid it).
+absl::StatusOr<HandoffSocket> ListenForServerBlocking(const VolumeOpsContext& ctx, const state::Volume& volume);
 
 }  // namespace fusekeeper

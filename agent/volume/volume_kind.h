@@ -89,6 +89,9 @@ class VolumeHost {
                      const std::string& message) = 0;
   // Every pod the volume is published to is terminating (and there is at least one).
   virtual bool AllPodsTerminating(const state::Volume& v) const = 0;
+  // Reads the kubelet's pod list again now, then calls `done` (on the loop) with what it says
+  // taken in (AllPodsTerminating); at once if the agent does not poll the kubelet.
+  virtual void RefreshPods(absl::AnyInvocable<void()> done) = 0;
   // A recovery finished: outcome "recovered" or "failed".
   virtual void RecoveryFinished(const std::string& how, const std::string& outcome, absl::Duration latency) = 0;
 };

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -110,6 +111,9 @@ class VolumeManager final : public VolumeHost {
   // Loop thread. The pods the kubelet reports as terminating (deletionTimestamp set): a FUSE
   // server of theirs that stops is a pod going away, not a failure.
   void SetTerminatingPods(std::set<std::string> pod_uids) { terminating_pods_ = std::move(pod_uids); }
+  // Before the loop runs. How RefreshPods reads the kubelet's pod list now (KubeletPoller's
+  // PollNow, which calls SetTerminatingPods before its callback); unset: it is not polled.
+  void set_pod_refresher(std::function<void(std::function<void()>)> refresh) { pod_refresher_ = std::move(refresh); }
   // Loop thread. Pod uid → names of the volume directories published into that pod
   // (`…/pods/<uid>/volumes/kubernetes.io~csi/<name>/mount`), for every target that records its pod.
   std::map<std::string, std::set<std::string>> PublishedVolumeDirsByPod() const;
@@ -139,6 +143,7 @@ class VolumeManager final : public VolumeHost {
   void Event(const state::Volume& v, const std::string& type, const std::string& reason,
              const std::string& message) override;
   bool AllPodsTerminating(const state::Volume& v) const override;
+  void RefreshPods(absl::AnyInvocable<void()> done) override;
   void RecoveryFinished(const std::string& how, const std::string& outcome, absl::Duration latency) override;
 
  private:
@@ -203,6 +208,7 @@ class VolumeManager final : public VolumeHost {
   uint64_t next_job_ = 0;
   ClaimQueue claims_;
   std::set<std::string> terminating_pods_;
+  std::function<void(std::function<void()>)> pod_refresher_;
   Timer audit_retry_;  // an audit that skipped busy volumes looks again soon
   std::unique_ptr<BlockingPool> own_probe_pool_;
   BlockingPool* probe_pool_;

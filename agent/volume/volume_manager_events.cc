@@ -2,6 +2,7 @@
 // the kubelet watch and the metrics.
 #include "agent/volume/volume_manager.h"
 
+#include <memory>
 #include <utility>
 #include <tuple>
 
@@ -34,6 +35,13 @@ bool VolumeManager::AllPodsTerminating(const state::Volume& v) const {
     any = true;
   }
   return any;
+}
+
+void VolumeManager::RefreshPods(absl::AnyInvocable<void()> done) {
+  if (!pod_refresher_) return done();
+  // std::function needs a copyable callable.
+  auto shared = std::make_shared<absl::AnyInvocable<void()>>(std::move(done));
+  pod_refresher_([shared] { (*shared)(); });
 }
 
 void VolumeManager::RecoveryFinished(const std::string& how, const std::string& outcome, absl::Duration latency) {

@@ -160,5 +160,48 @@ TEST_F(KubeletPollerTest, AKubeletThatIsNotListeningIsAskedAgainSoon) {
   lt_.RunOnLoop([&] { down.reset(); });
 }
 
+// A rarely polled kubelet is asked at once when the agent needs a fresh look (a server stopped:
+// is its pod being deleted?); each caller hears back after a pod list read after its call, and
+// callers that come while a poll is in flight get one more poll, not that one's answer.
+TEST_F(KubeletPollerTest, PollNowReadsAFreshPodListForEachCallerOnARarelyPolledKubelet) {
+  std::unique_ptr<KubeletPoller> rare;
+  std::vector<std::string> seen;  // loop thread: the first pod's uid... and whether it terminates
+  lt_.RunOnLoop([&] {
+    KubeletPollerOptions o;
+    o.url = kube_->url() + "/pods";
+    o.token_file = dir_ + "/token";
+    o.ca_file = kube_->ca_file();
+    o.period = absl::Hours(1);
+    rare = std::make_unique<KubeletPoller>(lt_.loop(), *http_, *pool_, o, [](const ContainerRestart&) {});
+    rare->set_on_pods([&](const std::vector<PodStatus>& pods) {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen.push_back(!pods.empty() && pods[0].terminating ? "terminating" : "running");
+      cv_.notify_all();
+    });
+    rare->Start();
+  });
+  ASSERT_TRUE(WaitFor([&] { return seen.size() == 1; }));
+  kube_->SetPods(R"({"kind":"PodList","items":[{"metadata":{"namespace":"ns","name":"app","uid":"u1",)"
+                 R"("deletionTimestamp":"2026-11-29T00:00:00Z"}}]})");
+  int answered = 0;  // loop thread
+  std::vector<std::string> when_answered;
+  lt_.RunOnLoop([&] {
+    for (int i = 0; i < 3; ++i) {
+      rare->PollNow([&] {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++answered;
+        when_answered.push_back(seen.back());
+        cv_.notify_all();
+      });
+    }
+  });
+  ASSERT_TRUE(WaitFor([&] { return answered == 3; }));
+  EXPECT_EQ(when_answered, std::vector<std::string>(3, "terminating"));
+  // The first caller's poll left at once (the token was read a moment ago); the other two came
+  // while it was in flight and shared the one after it.
+  lt_.RunOnLoop([&] { EXPECT_EQ(rare->polls(), 3); });
+  lt_.RunOnLoop([&] { rare.reset(); });
+}
+
 }  // namespace
 }  // namespace fusekeeper

@@ -1,5 +1,7 @@
 // FUSE volumes end to end: the real agent binary and the real reference server (fkserve, run
 // unprivileged as uid 65534) in this test's private mount namespace, with a real /dev/fuse.
+#include <sys/mount.h>
+
 #include <algorithm>
 #include <functional>
 
@@ -39,6 +41,35 @@ TEST_F(FuseE2ETest, InlineVolumePublishedBeforeItsSidecarThenServedUnprivileged)
   EXPECT_FALSE(fs::exists(PodSocket("pod-1"))) << "the handoff socket is removed";
   EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value()) << "the server did not end";
   EXPECT_TRUE(fs::exists(export_ + "/from-pod.txt")) << "no data lost";
+}
+
+// The kubelet makes a Memory emptyDir's directory, then mounts its tmpfs there; volumes are set
+// up in parallel, so a NodePublish can make the handoff socket in between, under the tmpfs the
+// sidecar then sees: the agent makes it again on top, where the sidecar looks.
+TEST_F(FuseE2ETest, AHandoffSocketCoveredByTheEmptyDirsTmpfsIsMadeAgainWhereTheSidecarLooks) {
+  StartAgent();
+  const std::string target = Pod("pod-m", "vol");
+  ASSERT_RPC_OK(PublishInline("inline-m", "pod-m", target));
+  const std::string socket = PodSocket("pod-m");
+  const std::string dir = socket.substr(0, socket.rfind('/'));
+  ASSERT_EQ(mount("tmpfs", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0777"), 0) << strerror(errno);
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { umount2(dir.c_str(), MNT_DETACH); }
+  } unmount{dir};
+  // The sidecar starts with the tmpfs in place, as the kubelet starts containers after volumes.
+  Subprocess* server = StartServer(socket);
+  auto content = WithDeadline([&] { return ReadFile(target + "/hello.txt"); });
+  ASSERT_TRUE(content.has_value()) << "the sidecar was never served\n" << server->Stderr() << agent_->Stderr();
+  EXPECT_EQ(*content, "hello from the export\n");
+  struct stat st;
+  ASSERT_EQ(lstat(socket.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_uid, kServerUid);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_RPC_OK(Unpublish("inline-m", target));
+  EXPECT_FALSE(fs::exists(socket)) << "the socket made again is removed with the volume";
+  EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value()) << server->Stderr();
 }
 
 TEST_F(FuseE2ETest, StagedVolumeSharedByTwoPodsServedByANodeLevelServer) {
@@ -406,14 +437,21 @@ TEST_F(FuseE2ETest, TheReadyFileTracksServingForAStartupProbe) {
   const std::string target = Pod("pod-r", "ready-1");
   // In the pod's emptyDir, as the example sidecar has it (writable by the server's uid).
   const std::string ready = PodSocket("pod-r").substr(0, PodSocket("pod-r").rfind('/')) + "/fkserve.ready";
+  std::string said;  // the probe's output, which kubelet's Unhealthy Event quotes
   auto probe = [&] {
     Subprocess p({fkserve_, "--ready_file=" + ready, "ready"});
     auto status = p.Wait(std::chrono::milliseconds(20000));
+    said = p.Stderr();
     return status && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
   };
   EXPECT_EQ(probe(), 1) << "nothing served yet";
-  ASSERT_RPC_OK(PublishInline("ready-1", "pod-r", target));
+  // A sidecar that starts before the volume is published waits for its socket, and the probe
+  // says so in the sidecar's words.
   Subprocess* server = StartServer(PodSocket("pod-r"), {"--ready_file=" + ready, "serve", "--root=" + export_});
+  ASSERT_TRUE(server->WaitForStderr("waiting up to", 1, kTestDeadline)) << server->Stderr();
+  EXPECT_EQ(probe(), 1);
+  EXPECT_TRUE(absl::StrContains(said, "not serving yet: cannot connect to " + PodSocket("pod-r"))) << said;
+  ASSERT_RPC_OK(PublishInline("ready-1", "pod-r", target));
   ASSERT_TRUE(WithDeadline([&] { return ReadFile(target + "/hello.txt"); }).has_value());
   EXPECT_EQ(probe(), 0) << server->Stderr();
   ASSERT_RPC_OK(Unpublish("ready-1", target));

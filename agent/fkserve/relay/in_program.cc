@@ -26,6 +26,13 @@
 namespace fusekeeper::relay {
 namespace {
 
+// The kernel's connection has ended: unmounted (ENODEV), or aborted (ECONNABORTED, which reads
+// get after a fusectl abort). Said as ENODEV, the end every FUSE library takes as a clean one.
+bool ConnectionEnded() {
+  if (errno == ECONNABORTED) errno = ENODEV;
+  return errno == ENODEV;
+}
+
 // The preload library interposes read and write: the core's own I/O goes to the kernel directly.
 ssize_t RawRead(int fd, void* buf, size_t n) { return syscall(SYS_read, fd, buf, n); }
 ssize_t RawWrite(int fd, const void* buf, size_t n) { return syscall(SYS_write, fd, buf, n); }
@@ -254,7 +261,7 @@ ssize_t InProgram::Read(void* buf, size_t count) {
     const ssize_t n = RawRead(kernel_.get(), buf, count);
     if (n < 0) {
       if (errno == EAGAIN || errno == ENOENT) continue;  // another thread took it; withdrawn
-      if (errno == ENODEV) {
+      if (ConnectionEnded()) {
         std::lock_guard<std::mutex> lock(mu_);
         ended_ = true;
       }
@@ -430,7 +437,7 @@ ssize_t InProgram::SendSplicedReply(const fuse_out_header& header, const fuse_ou
     } while (n < 0 && errno == EINTR);
     if (n < 0) scratch.Drain();
   }
-  if (n < 0 && errno == ENODEV) {
+  if (n < 0 && ConnectionEnded()) {
     std::lock_guard<std::mutex> lock(mu_);
     ended_ = true;
   }
@@ -455,7 +462,7 @@ void InProgram::ToKernel(const char* data, size_t len) {
   do {
     n = RawWrite(kernel_.get(), data, len);
   } while (n < 0 && errno == EINTR);
-  if (n < 0 && errno == ENODEV) ended_ = true;
+  if (n < 0 && ConnectionEnded()) ended_ = true;
 }
 
 void InProgram::WriteReply(const fuse_out_header& header, const iovec* iov, int iovcnt) {
@@ -477,7 +484,7 @@ void InProgram::WriteReply(const fuse_out_header& header, const iovec* iov, int 
   do {
     n = syscall(SYS_writev, kernel_.get(), out.data(), static_cast<int>(out.size()));
   } while (n < 0 && errno == EINTR);
-  if (n < 0 && errno == ENODEV) {
+  if (n < 0 && ConnectionEnded()) {
     std::lock_guard<std::mutex> lock(mu_);
     ended_ = true;
   }

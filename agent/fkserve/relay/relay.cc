@@ -185,7 +185,7 @@ struct Relay::LoopState final : RelayOutput {
       const int err = n == 0 ? EIO : errno;
       if (err == EAGAIN) return;
       if (err == EINTR || err == ENOENT) continue;  // ENOENT: the request was withdrawn
-      if (err == ENODEV) {
+      if (err == ENODEV || err == ECONNABORTED) {  // unmounted, or aborted
         ended = true;
         Log("relay: the kernel's connection ended (unmounted or aborted)");
         if (conn != nullptr) Retire(conn);
@@ -340,7 +340,7 @@ struct Relay::LoopState final : RelayOutput {
   // connection has ended (UNAVAILABLE).
   absl::Status ResendAndTakeIn() {
     if (const int err = AskKernelToResend(kernel.get()); err != 0) {
-      if (err == ENODEV) {
+      if (err == ENODEV || err == ECONNABORTED) {  // unmounted, or aborted
         ended = true;
         return absl::UnavailableError("the kernel's connection has ended");
       }
