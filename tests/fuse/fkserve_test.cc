@@ -66,13 +66,19 @@ class FkserveTest : public ::testing::Test {
     { std::ofstream(export_ + "/existing.txt") << "already here\n"; }
   }
   void TearDown() override {
-    umount2(mnt_.c_str(), MNT_DETACH);
+    Unmount(MNT_DETACH);
     if (endpoint_) lt_.RunOnLoop([&] { endpoint_->Stop(); });
     endpoint_.reset();
     if (server_) server_->Wait(std::chrono::milliseconds(20000));
     lt_.StopAndJoin();
   }
 
+  // As the agent ends a volume: its socket first (a server whose connection then ends finds it
+  // gone and is done: handoff_client.h ReceiveNextHandoffBlocking), then the unmount.
+  int Unmount(int flags) {
+    unlink((sockdir_ + "/s").c_str());
+    return umount2(mnt_.c_str(), flags);
+  }
   // Mounts a connection on mnt_ and offers it on sockdir_/s to `server_uid`.
   void MountAndOffer(MountConfig config, bool read_only = false, uid_t server_uid = 0) {
     auto dev = OpenFuseDeviceBlocking();
@@ -157,7 +163,7 @@ class FkserveTest : public ::testing::Test {
   }
   // Unmounts, stops the endpoint and checks the server ends with 0; ready for the next mode.
   void UnmountAndExpectCleanExit() {
-    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    ASSERT_EQ(Unmount(MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
     endpoint_.reset();
@@ -204,7 +210,7 @@ TEST_F(FkserveTest, ServesAPassthroughReadsWritesDirsRenamesXattrs) {
   }
   fs::remove(mnt_ + "/dir/moved.txt");
   EXPECT_FALSE(fs::exists(export_ + "/dir/moved.txt"));
-  ASSERT_EQ(umount2(mnt_.c_str(), 0), 0) << strerror(errno);
+  ASSERT_EQ(Unmount(0), 0) << strerror(errno);
   lt_.RunOnLoop([&] { endpoint_->Stop(); });  // drops the agent's dup: the connection ends
   EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
 }
@@ -246,7 +252,7 @@ TEST_F(FkserveTest, LaunchesAnUnmodifiedLibfuse3ProgramOnDevFd) {
   StartServer({"launch", "--", RunfilePath("tests/testing/hello_fuse"), "/dev/fd/{fd}", "launched\n"});
   ASSERT_TRUE(WaitServed()) << server_->Stderr();
   EXPECT_EQ(ReadFile(mnt_ + "/hello"), "launched\n");
-  ASSERT_EQ(umount2(mnt_.c_str(), 0), 0);
+  ASSERT_EQ(Unmount(0), 0);
   lt_.RunOnLoop([&] { endpoint_->Stop(); });
   EXPECT_EQ(ServerExit(), 0) << "the program's exit status is fkserve's: " << server_->Stderr();
 }
@@ -279,7 +285,7 @@ TEST_F(FkserveTest, LaunchRelaysByDefaultAndHandsTheDeviceOverWithDirect) {
     const std::string maps = ReadFile("/proc/" + std::to_string(program) + "/maps");
     EXPECT_EQ(maps.find("libfkserve_preload.so") != std::string::npos, mode != kDirect) << name;
     EXPECT_EQ(says_in_program, mode == kInProgram) << server_->Stderr();
-    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    ASSERT_EQ(Unmount(MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     EXPECT_EQ(ServerExit(), 0) << server_->Stderr();
     endpoint_.reset();
@@ -424,7 +430,7 @@ TEST_F(FkserveTest, AsPidOneItStopsWhenAskedInServeAndLaunchMode) {
     ASSERT_EQ(kill(fkserve, SIGTERM), 0);
     auto st = server_->Wait(std::chrono::milliseconds(std::chrono::milliseconds(kTestDeadline)));
     ASSERT_TRUE(st.has_value()) << m.name << ": fkserve as PID 1 ignored SIGTERM\n" << server_->Stderr();
-    ASSERT_EQ(umount2(mnt_.c_str(), MNT_DETACH), 0);
+    ASSERT_EQ(Unmount(MNT_DETACH), 0);
     lt_.RunOnLoop([&] { endpoint_->Stop(); });
     endpoint_.reset();
   }

@@ -208,10 +208,11 @@ TEST_F(RecoveryE2ETest, AbortedConnectionIsRemountedAndTheNextServerServesEveryP
     struct stat st;
     ASSERT_EQ(stat(staging_.c_str(), &st), 0);
     ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
-    // The server sees its connection end and exits; the agent mounts a fresh connection.
-    ASSERT_TRUE(servers_.back()->Wait(std::chrono::milliseconds(20000)).has_value());
-    Subprocess* next = StartServer(socket_);
-    ASSERT_TRUE(p1->WaitForReadsOf(want)) << "round " << round << ": " << next->Stderr() << agent_->Stderr();
+    // The server sees its connection end and asks the socket for the next one: the fresh
+    // connection the agent mounts.
+    ASSERT_TRUE(first->WaitForStderr("serving volume abort-1", round + 2, kTestDeadline))
+        << "round " << round << ": " << first->Stderr() << agent_->Stderr();
+    ASSERT_TRUE(p1->WaitForReadsOf(want)) << "round " << round << ": " << first->Stderr() << agent_->Stderr();
     ASSERT_TRUE(p2->WaitForReadsOf(want)) << "round " << round;
     ASSERT_TRUE(h1.WaitForReadsOf(want)) << "round " << round;
     EXPECT_EQ(MountCountAt(staging_), 2) << "round " << round;
@@ -297,8 +298,9 @@ TEST_F(RecoveryE2ETest, PerVolumeFuseTuningHoldsOnceServedAndOnEveryFreshConnect
     if (round == 1) break;
     previous = connection;
     ASSERT_TRUE(AbortFuseConnectionBlocking(connection).ok());
-    ASSERT_TRUE(servers_.back()->Wait(std::chrono::milliseconds(20000)).has_value());
-    StartServer(socket_);
+    // The same server asks for the fresh connection and serves it.
+    ASSERT_TRUE(servers_.back()->WaitForStderr("asking the agent for the volume's next one", 1, kTestDeadline))
+        << servers_.back()->Stderr();
     ASSERT_TRUE(view->WaitForReadsOf(want)) << "the container reads through the fresh connection\n" << agent_->Stderr();
   }
   EXPECT_EQ(AgentLogCount("FuseTuningFailed"), 0) << agent_->Stderr();
@@ -343,10 +345,12 @@ TEST_F(RecoveryE2ETest, RepairsAfterAgentRestartsInNewMountNamespacesReachTheRun
                                    Subprocess*& serving, const std::string& round) {
     struct stat st;
     ASSERT_EQ(stat(path.c_str(), &st), 0);
+    const int asked = serving->CountInStderr("asking the agent for the volume's next one");
     ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
-    ASSERT_TRUE(serving->Wait(std::chrono::milliseconds(20000)).has_value())
-        << round << ": the server of the aborted connection stopped\n" << serving->Stderr() << agent_->Stderr();
-    Subprocess* next = serving = StartServer(socket);
+    // The server of the aborted connection asks for the fresh one and serves it.
+    ASSERT_TRUE(serving->WaitForStderr("asking the agent for the volume's next one", asked + 1, kTestDeadline))
+        << round << ": " << serving->Stderr() << agent_->Stderr();
+    Subprocess* next = serving;
     ASSERT_TRUE(reader->WaitForReadsOf(want)) << round << ": the container reads through the fresh connection; last '"
                                               << reader->last() << "' errors " << reader->errors() << "\n"
                                               << next->Stderr() << agent_->Stderr();
@@ -612,12 +616,12 @@ TEST_F(RecoveryE2ETest, AgentKilledRightAfterStackingAFreshConnectionHealsAfterR
   ASSERT_EQ(stat(staging_.c_str(), &st), 0);
   ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
   ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value()) << agent_->Stderr();
-  ASSERT_TRUE(first->Wait(std::chrono::milliseconds(20000)).has_value());
   agent_env_.clear();
   StartAgent({"--redeposit_wait_ms=100"});
-  // The next server gets a fresh connection: both running pods read through it.
-  Subprocess* second = StartServer(socket_);
-  ASSERT_TRUE(p1->WaitForReadsOf(want)) << second->Stderr() << agent_->Stderr();
+  // The server, asking for the volume's next connection since the abort, gets a fresh one from
+  // the restarted agent: both running pods read through it.
+  ASSERT_TRUE(first->WaitForStderr("serving volume crash-2", 2, kTestDeadline)) << first->Stderr() << agent_->Stderr();
+  ASSERT_TRUE(p1->WaitForReadsOf(want)) << first->Stderr() << agent_->Stderr();
   ASSERT_TRUE(p2->WaitForReadsOf(want));
   EXPECT_EQ(MountCountAt(staging_), 2) << "the dead layer was removed: base + live";
   EXPECT_EQ(MountCountAt(t1), 2);
