@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 
+#include "agent/base/fd_limit.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/config/agent_config.h"
@@ -247,6 +248,11 @@ int main(int argc, char** argv) {
   // the only taker. SIGPIPE: a peer closing a socket must be an error code, not our death.
   BlockSignals({SIGTERM, SIGINT});
   signal(SIGPIPE, SIG_IGN);
+  // Two fds per FUSE volume (its connection and its handoff socket), more while servers connect:
+  // the runtime's soft limit (containerd 2.x: 1024) ends a node near 500 volumes.
+  std::string fd_said;
+  RaiseFdLimit(&fd_said);
+  LOG(INFO) << fd_said;
   const absl::StatusOr<AgentConfig> config = AgentConfig::FromFlags();
   if (!config.ok()) return Fail(2, config.status().message());
   const AgentConfig& c = *config;

@@ -54,6 +54,8 @@ class AgentLink {
   void set_backing_client(BackingClient* client) { backing_ = client; }
   // Starts watching the connection.
   void Start();
+  // The link's dup of the connection: whether it has ended shows on it (ConnectionAlive).
+  int fuse_fd() const { return fuse_dup_.get(); }
   // A SIGTERM came. With a drain time the link drains and returns true: the stop comes later
   // (set_on_stop). Without one, false: the server stops now.
   bool HoldStop();

@@ -78,8 +78,8 @@ class Launcher {
   // Sets up the relay (carrying on from `relay_state` if valid) and the first instance; then the
   // loop runs until the launcher is done. Returns fkserve's exit status.
   int Run(UniqueFd relay_state);
-  // After Run: the relay saw the kernel's connection end (not a stop that ended it).
-  bool connection_ended() const { return relay_ != nullptr && connection_ended_ && !stop_requested_; }
+  // After Run: the kernel's connection ended under the program (not a stop that ended it).
+  bool connection_ended() const { return connection_ended_ && !stop_requested_; }
 
  private:
   int Fail(int code, const std::string& why) {
@@ -402,6 +402,9 @@ void Launcher::InstanceEnded() {
       }
     }
   }
+  // Direct, the program read the kernel's connection itself: whether that ended under it
+  // (unmounted, aborted) shows on the link's dup of it.
+  if (!relay_ && link_ && !ConnectionAlive(link_->fuse_fd())) connection_ended_ = true;
   if (!relay_ || stop_requested_ || connection_ended_) return Finish();
   // A program that never served (wrong arguments, a bucket it cannot reach) is not restarted:
   // its end is reported at once, as for a direct one.

@@ -25,6 +25,7 @@
 // agent's connection, the relay) is handled there (launcher.cc, program_instance.h).
 #pragma once
 
+#include <sys/resource.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -79,6 +80,9 @@ struct LaunchOptions {
   // long is killed; the relay restarts it and resends them (a request in flight at three deaths
   // in a row fails with EIO), and the agent is told why (a notice: an Event). Zero: no bound.
   std::chrono::milliseconds program_stall{120000};
+  // The open-file soft limit the program starts with: fkserve's own before it raised it
+  // (fd_limit.h); 0: fkserve's.
+  rlim_t program_fd_limit = 0;
 };
 
 // OK, or INVALID_ARGUMENT naming the accepted values.
@@ -87,8 +91,8 @@ absl::Status CheckDurability(const std::string& durability);
 relay::Durability ResolveDurability(const LaunchOptions& options);
 
 // Runs the program on `fuse_fd`, answering the handoff on `sock`; returns fkserve's exit status:
-// the program's (128+signal if it was killed); relayed, whether the kernel's connection ended
-// (unmounted or aborted) under it, rather than a stop or the program's own end. `relay_state`: the state a dead launcher of this
+// the program's (128+signal if it was killed; 0 if the kernel's connection ended under it), and
+// whether the connection ended (unmounted or aborted) rather than a stop or the program's own end. `relay_state`: the state a dead launcher of this
 // connection deposited with the agent (a live config's second fd): relayed, the launcher carries
 // on from it (the program is started as after a crash of its own); if it cannot, it asks the agent
 // for a fresh connection on `sock`. Invalid: a new connection.

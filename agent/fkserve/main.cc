@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "agent/base/fd_limit.h"
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/handoff_client.h"
 #include "agent/fkserve/launcher.h"
@@ -160,7 +161,8 @@ int Ready() {
 
 // `launch`'s options: the flags, the volume's config, and where fkserve's tools are.
 fusekeeper::LaunchOptions LaunchOptionsFromFlags(const std::vector<std::string>& program,
-                                                 const fusekeeper::MountConfig* config) {
+                                                 const fusekeeper::MountConfig* config,
+                                                 const fusekeeper::FdLimit& fd_limit) {
   fusekeeper::LaunchOptions lo;
   lo.program = program;
   lo.socket_path = FLAGS_socket;
@@ -195,6 +197,7 @@ fusekeeper::LaunchOptions LaunchOptionsFromFlags(const std::vector<std::string>&
   lo.drain_ms = config->drain_ms;
   lo.init_timeout = std::chrono::milliseconds(FLAGS_init_timeout_ms);
   lo.program_stall = std::chrono::milliseconds(FLAGS_program_stall_ms);
+  lo.program_fd_limit = fd_limit.soft_before;
   return lo;
 }
 
@@ -263,6 +266,12 @@ int main(int argc, char** argv) {
     return Ready();
   }
   if (const std::string bad = CheckServingFlags(cmd.mode); !bad.empty()) return Fail(2, bad);
+  // A relay holds fds per open file and per instance: the runtime's soft limit (1024) is raised.
+  std::string fd_said;
+  const fusekeeper::FdLimit fd_limit = fusekeeper::RaiseFdLimit(&fd_said);
+  if (fd_limit.soft == fd_limit.soft_before && fd_limit.soft < fd_limit.hard) {
+    fprintf(stderr, "fkserve: %s\n", fd_said.c_str());
+  }
 
   fprintf(stderr, "fkserve: connecting to %s\n", FLAGS_socket.c_str());
   absl::StatusOr<UniqueFd> sock = fusekeeper::ConnectToAgentBlocking(
@@ -285,7 +294,7 @@ int main(int argc, char** argv) {
             handoff->config.live ? ", adopting the live connection" : "");
     fusekeeper::Served served;
     if (cmd.mode == "launch") {
-      const fusekeeper::LaunchOptions lo = LaunchOptionsFromFlags(cmd.program, &handoff->config);
+      const fusekeeper::LaunchOptions lo = LaunchOptionsFromFlags(cmd.program, &handoff->config, fd_limit);
       served = fusekeeper::Launch(std::move(*sock), std::move(handoff->fuse), std::move(handoff->relay_state), lo);
     } else {
       served = fusekeeper::Serve(std::move(*sock), std::move(*handoff),

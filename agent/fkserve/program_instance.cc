@@ -1,3 +1,4 @@
+#include "agent/base/fd_limit.h"
 #include "agent/fkserve/program_instance.h"
 
 #include <dirent.h>
@@ -191,6 +192,7 @@ std::unique_ptr<ProgramInstance> ProgramInstance::Start(Loop& loop, Spec spec, s
     // launcher starts its own instance.
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     for (int sig : kStopSignals) signal(sig, SIG_DFL);
+    RestoreFdLimitForExec(o.program_fd_limit);
     // The launcher takes its signals from a signalfd, with them blocked: a mask survives exec.
     sigset_t none;
     sigemptyset(&none);

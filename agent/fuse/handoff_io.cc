@@ -49,14 +49,25 @@ void HandoffListener::Close() {
 void HandoffListener::OnCompleted(int32_t res) {
   PendingWork::EndedGuard ended(work_);
   in_flight_ = false;
-  if (res >= 0) {
+  const bool was_pause = backoff_.paused();  // then res is the pause's (-ETIME or -ECANCELED)
+  backoff_.Ended();
+  const std::string what = "handoff listener for " + what_ + (tag_.empty() ? "" : " on " + tag_);
+  bool pause = false;
+  if (was_pause) {
+  } else if (res >= 0) {
+    backoff_.Resumed(what);
     UniqueFd connection(res);
     if (!closed_) on_accept_(std::move(connection));  // (closed: it closes here)
+  } else if (AcceptBackoff::OutOfResources(res)) {
+    pause = true;
   } else if (res != -ECANCELED && res != -EINTR) {
     LOG(WARNING) << "handoff accept for " << what_ << (tag_.empty() ? "" : " on " + tag_) << ": " << strerror(-res);
   }
   if (!closed_ && res != -ECANCELED && loop_.running()) {
-    Arm();
+    if (!pause) return Arm();
+    in_flight_ = true;
+    work_.Began();
+    backoff_.Pause(loop_, &accept_, what, res);
   } else if (closed_ && on_ended_) {
     auto ended_now = std::move(on_ended_);
     on_ended_ = nullptr;

@@ -32,6 +32,7 @@
 #include "agent/base/fd_passing.h"
 #include "agent/base/unique_fd.h"
 #include "agent/loop/lifetime.h"
+#include "agent/loop/accept_backoff.h"
 #include "agent/loop/loop.h"
 #include "agent/loop/timer.h"
 
@@ -69,7 +70,8 @@ class HandoffListener {
   const std::string what_;
   OnAccept on_accept_;
   absl::AnyInvocable<void()> on_ended_;
-  Completion accept_;
+  Completion accept_;       // the accept, or the pause before the next one (backoff_)
+  AcceptBackoff backoff_;   // out of fds: the next accept waits
   bool in_flight_ = false;
   bool closed_ = false;
 };

@@ -67,9 +67,15 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Loop& loop, const 
 HttpServer::HttpServer(Loop& loop, UniqueFd listen_fd, std::map<std::string, Handler> handlers, absl::Duration timeout)
     : loop_(loop), listen_fd_(std::move(listen_fd)), handlers_(std::move(handlers)), timeout_(timeout) {
   accept_.callback = [this](int32_t res, bool) {
-    if (res >= 0) OnAccepted(res);
+    const bool was_pause = backoff_.paused();
+    backoff_.Ended();
+    if (!was_pause && res >= 0) {
+      backoff_.Resumed("metrics server");
+      OnAccepted(res);
+    }
     if (res == -ECANCELED || !loop_.running()) return;
-    if (res < 0 && res != -EINTR && res != -ECONNABORTED) {
+    if (!was_pause && AcceptBackoff::OutOfResources(res)) return backoff_.Pause(loop_, &accept_, "metrics server", res);
+    if (!was_pause && res < 0 && res != -EINTR && res != -ECONNABORTED) {
       LOG(WARNING) << "metrics server accept: " << strerror(-res);
     }
     ArmAccept();

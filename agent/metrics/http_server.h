@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/base/unique_fd.h"
+#include "agent/loop/accept_backoff.h"
 #include "agent/loop/loop.h"
 
 namespace fusekeeper {
@@ -48,6 +49,7 @@ class HttpServer {
   const absl::Duration timeout_;
   int port_ = 0;
   Completion accept_;
+  AcceptBackoff backoff_;  // out of fds: the next accept waits (accept_backoff.h)
   std::map<Connection*, std::unique_ptr<Connection>> connections_;
 };
 

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <mutex>
 
 #include "absl/strings/match.h"
@@ -181,15 +182,23 @@ absl::StatusOr<std::vector<state::Volume>> StateStore::LoadAllBlocking(
   std::vector<state::Volume> out;
   DIR* d = opendir(dir_.c_str());
   if (d == nullptr) return ErrnoStatus(errno, "opendir", dir_);
+  std::unique_ptr<DIR, int (*)(DIR*)> dir(d, closedir);  // open while its files are opened
   std::vector<std::string> names;
   while (dirent* e = readdir(d)) {
     std::string name = e->d_name;
     if (absl::EndsWith(name, kSuffix) && !absl::StrContains(name, kTmpMarker)) names.push_back(name);
   }
-  closedir(d);
   for (const std::string& name : names) {
     const std::string path = dir_ + "/" + name;
-    UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    UniqueFd fd(openat(dirfd(d), name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!fd) {
+      const int err = errno;
+      if (err == ENOENT) continue;  // removed since the listing
+      // Not a state that is wrong, one that cannot be read now (EMFILE, ENOMEM...): kept, and the
+      // load fails. Moving it aside would forget a volume that is mounted. ELOOP: a symlink,
+      // never one of ours.
+      if (err != ELOOP) return ErrnoStatus(err, "open", path);
+    }
     state::Volume v;
     bool ok = fd && v.ParseFromFileDescriptor(fd.get()) && !v.volume_id().empty() &&
               FileFor(v.volume_id()) == path;

@@ -54,25 +54,29 @@ void VolumeManager::AddKind(std::unique_ptr<VolumeKind> kind) {
 
 void VolumeManager::Start(Done done) {
   struct Loaded {
-    std::vector<state::Volume> volumes;
+    // A state that cannot be read now (the agent out of fds, a directory it cannot list) fails
+    // the start: going on without it would forget volumes that are mounted.
+    absl::StatusOr<std::vector<state::Volume>> volumes;
     std::vector<std::string> problems;
   };
   auto loaded = std::make_shared<Loaded>();
   absl::Status submitted = pool_.Submit(
       "load state",
       [this, loaded] {
-        auto v = store_.LoadAllBlocking(&loaded->problems);
-        if (v.ok()) loaded->volumes = std::move(*v);
-        else loaded->problems.push_back(std::string(v.status().message()));
+        loaded->volumes = store_.LoadAllBlocking(&loaded->problems);
       },
       [this, loaded, done = std::move(done)](absl::Status s) mutable {
         if (!s.ok()) return done(s);
         for (const auto& p : loaded->problems) LOG(WARNING) << p;
+        if (!loaded->volumes.ok()) {
+          return done(absl::Status(loaded->volumes.status().code(),
+                                   absl::StrCat("loading the volume state: ", loaded->volumes.status().message())));
+        }
         table_reader_.Read([this, loaded, done = std::move(done)](
                                absl::StatusOr<std::shared_ptr<const MountTable>> table) mutable {
           if (!table.ok()) return done(table.status());
           std::vector<state::Volume> known;
-          for (auto& v : loaded->volumes) {
+          for (auto& v : *loaded->volumes) {
             if (kinds_.count(v.kind().empty() ? kHostPathKind : v.kind()) == 0) {
               // State of a newer agent (a rollback): its file and mounts are left as they are.
               LOG(WARNING) << "volume " << v.volume_id() << " has kind '" << v.kind()

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -12,10 +13,12 @@
 
 #include <filesystem>
 #include <future>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/log_capture.h"
 #include "tests/testing/loop_thread.h"
 
 namespace fusekeeper {
@@ -123,6 +126,62 @@ TEST_F(HandoffIoTest, AListenerAcceptsUntilClosedThenSaysItHasEnded) {
   });
   // (Whether a connect now fails is the kernel's: the cancelled accept's request may still hold
   // the socket for a moment after its completion.)
+}
+
+// A process out of fds (a node with many volumes under a runtime's soft limit) cannot accept:
+// the connection stays queued, and accepting again at once failed at once again, a hot loop on
+// the agent's one thread with a log line per turn. The listener waits before its next accept
+// (50 ms doubling), says so once, and takes the connection once fds are free.
+TEST_F(HandoffIoTest, AListenerOutOfFdsWaitsBeforeItsNextAcceptInsteadOfSpinning) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "under the sanitizers: their runtime needs free fds of its own";
+#endif
+  // Under /tmp: the test's own tmpdir path is too long for a socket's 108 bytes.
+  char made[] = "/tmp/fk-emfile-XXXXXX";
+  ASSERT_NE(mkdtemp(made), nullptr);
+  struct Remove {
+    std::string dir;
+    ~Remove() { std::filesystem::remove_all(dir); }
+  } remove{made};
+  const std::string path = std::string(made) + "/sock";
+  UniqueFd l(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  ASSERT_EQ(bind(l.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << strerror(errno);
+  ASSERT_EQ(listen(l.get(), 8), 0);
+  std::promise<void> accepted;
+  lt_.RunOnLoop([&] {
+    listener_ = std::make_unique<HandoffListener>(lt_.loop(), work_, std::move(l), "", "volume emfile",
+                                                  [&](UniqueFd) { accepted.set_value(); });
+  });
+  UniqueFd c(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(connect(c.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << strerror(errno);
+  LogCapture log;
+  // No fd is free below the limit: an accept fails with EMFILE (the ring's takes its fd before it
+  // waits, so it fails with or without a connection queued).
+  const int lowest_free = dup(0);
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  lt_.RunOnLoop([&] { listener_->Start(); });
+  const bool said = log.WaitFor("accept failed (Too many open files); waiting 50 ms", kTestDeadline);
+  uint64_t at_first = 0, after = 0;
+  lt_.RunOnLoop([&] { at_first = lt_.loop().iterations(); });
+  // A window to look at the loop in: backing off it takes a few turns (50, 100, 200 ms...);
+  // spinning, thousands.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  lt_.RunOnLoop([&] { after = lt_.loop().iterations(); });
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  ASSERT_TRUE(said) << log.text();
+  EXPECT_LT(after - at_first, 50u) << "the loop spun on the failing accept";
+  EXPECT_EQ(log.Count("accept failed"), 1) << "said once, not per attempt\n" << log.text();
+  ASSERT_EQ(accepted.get_future().wait_for(kTestDeadline), std::future_status::ready) << "taken once fds are free";
+  EXPECT_TRUE(log.WaitFor("accepting again", kTestDeadline)) << log.text();
 }
 
 TEST_F(HandoffIoTest, ASendCarriesItsFdsAndAReceiveTakesTheOnesThatCame) {

@@ -1,6 +1,8 @@
 // LogCapture: every line glog emits while it is alive, for tests of what the agent logs.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 
@@ -16,6 +18,12 @@ class LogCapture : public google::LogSink {
             size_t len) override {
     std::lock_guard<std::mutex> lock(mu_);
     text_.append(message, len).append("\n");
+    logged_.notify_all();
+  }
+  // Until `what` has been logged (woken by each line); false after `timeout`.
+  bool WaitFor(const std::string& what, std::chrono::nanoseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return logged_.wait_for(lock, timeout, [&] { return text_.find(what) != std::string::npos; });
   }
   std::string text() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -31,6 +39,7 @@ class LogCapture : public google::LogSink {
 
  private:
   std::mutex mu_;
+  std::condition_variable logged_;
   std::string text_;
 };
 

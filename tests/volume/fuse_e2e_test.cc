@@ -1,6 +1,7 @@
 // FUSE volumes end to end: the real agent binary and the real reference server (fkserve, run
 // unprivileged as uid 65534) in this test's private mount namespace, with a real /dev/fuse.
 #include <sys/mount.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <functional>
@@ -70,6 +71,38 @@ TEST_F(FuseE2ETest, AHandoffSocketCoveredByTheEmptyDirsTmpfsIsMadeAgainWhereTheS
   ASSERT_RPC_OK(Unpublish("inline-m", target));
   EXPECT_FALSE(fs::exists(socket)) << "the socket made again is removed with the volume";
   EXPECT_TRUE(server->Wait(std::chrono::milliseconds(20000)).has_value()) << server->Stderr();
+}
+
+// A container runtime gives the agent's container a low soft fd limit (containerd 2.x: 1024) and
+// a high hard one; each FUSE volume holds two fds (its connection and its handoff socket). Here
+// the soft limit is 128 and the volumes need more: every stage succeeds, and after a kill -9 the
+// restarted agent knows every one (none is forgotten, none is moved aside), and tears each down.
+TEST_F(FuseE2ETest, ManyVolumesUnderTheRuntimesSoftFdLimitAndARestartForgetNone) {
+  rlimit r{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &r), 0);
+  if (r.rlim_max < 1024) GTEST_SKIP() << "the hard fd limit here is " << r.rlim_max << ", below what the test needs";
+  agent_prefix_ = {"/usr/bin/prlimit", "--nofile=128:" + std::to_string(r.rlim_max)};
+  StartAgent();
+  constexpr int kVolumes = 100;
+  std::vector<std::string> staging;  // made before: a path of a served-by-nobody mount cannot be stat'ed
+  for (int i = 0; i < kVolumes; ++i) staging.push_back(StagingPath("many-" + std::to_string(i)));
+  for (int i = 0; i < kVolumes; ++i) {
+    const std::string id = "many-" + std::to_string(i);
+    grpc::Status st = StageFuse(id, staging[i]);
+    ASSERT_TRUE(st.ok()) << "volume " << i << ": " << st.error_message() << "\n" << agent_->Stderr();
+  }
+  agent_->Signal(SIGKILL);
+  ASSERT_TRUE(agent_->Wait(std::chrono::milliseconds(20000)).has_value());
+  StartAgent();
+  EXPECT_FALSE(absl::StrContains(agent_->Stderr(), "moved aside")) << agent_->Stderr();
+  for (int i = 0; i < kVolumes; ++i) {
+    const std::string id = "many-" + std::to_string(i);
+    // Known: a repeated stage is idempotent (an unknown volume would find a mount in its way).
+    grpc::Status st = StageFuse(id, staging[i]);
+    ASSERT_TRUE(st.ok()) << "volume " << i << " after the restart: " << st.error_message() << "\n" << agent_->Stderr();
+    ASSERT_RPC_OK(Unstage(id, staging[i]));
+    EXPECT_EQ(MountCountAt(staging[i]), 0) << id;
+  }
 }
 
 TEST_F(FuseE2ETest, StagedVolumeSharedByTwoPodsServedByANodeLevelServer) {

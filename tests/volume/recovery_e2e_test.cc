@@ -11,6 +11,7 @@
 #include <atomic>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
 #include "agent/fuse/fuse_mount.h"
@@ -273,6 +274,46 @@ TEST_F(RecoveryE2ETest, InlineVolumeWhoseConnectionIsAbortedHealsInsideTheRunnin
 // Issue 30 part 2: the volume's FUSE tuning is written to its connection once the server has
 // answered FUSE_INIT (whose reply would undo it otherwise), and again on the fresh connection a
 // repair mounts; an inline volume here, read through a pod view throughout.
+// A launched program, relayed or direct, loses its connection to an abort: the launcher (the
+// sidecar's process, which the kubelet would restart only after a back-off) starts it anew on
+// the fresh connection the agent mounts.
+TEST_F(RecoveryE2ETest, ALaunchedProgramWhoseConnectionIsAbortedIsStartedAnewByTheSameLauncher) {
+  StartAgent();
+  int n = 0;
+  for (const bool direct : {false, true}) {
+    SCOPED_TRACE(direct ? "direct" : "relayed");
+    const std::string id = absl::StrCat("launched-", n), pod = absl::StrCat("pod-l", n++);
+    const std::string target = Pod(pod, id);
+    ASSERT_RPC_OK(PublishInline(id, pod, target));
+    socket_ = PodSocket(pod);
+    const std::string hello = root_.path() + "/hello_fuse";
+    if (!fs::exists(hello)) {
+      fs::copy_file(RunfilePath("tests/testing/hello_fuse"), hello);
+      chmod(hello.c_str(), 0755);
+    }
+    std::vector<std::string> args = {"launch", "--", hello, "/dev/fd/{fd}", "launched\n"};
+    if (direct) args.insert(args.begin(), "--direct");
+    Subprocess* launcher = StartServer(socket_, args);
+    auto view = PodReader(target, "hello");
+    ASSERT_TRUE(view->WaitForReadsOf("launched\n")) << view->setup_error() << launcher->Stderr() << agent_->Stderr();
+    for (int round = 0; round < 2; ++round) {
+      struct stat st;
+      ASSERT_EQ(stat(target.c_str(), &st), 0);
+      ASSERT_TRUE(AbortFuseConnectionBlocking(minor(st.st_dev)).ok());
+      ASSERT_TRUE(launcher->WaitForStderr("serving volume " + id, round + 2, kTestDeadline))
+          << "round " << round << ": " << launcher->Stderr() << agent_->Stderr();
+      ASSERT_TRUE(view->WaitForReadsOf("launched\n")) << "round " << round << ": last '" << view->last() << "'\n"
+                                                      << launcher->Stderr() << agent_->Stderr();
+      EXPECT_FALSE(launcher->Wait(std::chrono::milliseconds(0)).has_value()) << launcher->Stderr();
+    }
+    view->Stop();
+    ASSERT_RPC_OK(Unpublish(id, target));
+    auto status = launcher->Wait(std::chrono::milliseconds(20000));
+    ASSERT_TRUE(status.has_value()) << "the socket is gone with the volume: the launcher is done\n" << launcher->Stderr();
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status << launcher->Stderr();
+  }
+}
+
 TEST_F(RecoveryE2ETest, PerVolumeFuseTuningHoldsOnceServedAndOnEveryFreshConnection) {
   extra_context_ = {{"readAheadKb", "1536"}, {"maxBackground", "37"}, {"congestionThreshold", "29"}};
   StartAgent({"--metrics_address=127.0.0.1:0"});

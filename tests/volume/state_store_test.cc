@@ -1,8 +1,12 @@
 #include "agent/volume/state_store.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
 
@@ -57,6 +61,42 @@ TEST(StateStoreTest, CorruptFilesAreMovedAsideAndTempFilesCleaned) {
   EXPECT_EQ((*loaded)[0].volume_id(), "good");
   ASSERT_EQ(problems.size(), 1u);
   EXPECT_TRUE(fs::exists(dir + "/" + Sha256Hex("bad") + ".state.corrupt"));
+}
+
+// A state file that cannot be opened now (the agent out of fds: a node with many volumes under a
+// runtime's soft limit) is not a corrupt one: moving it aside forgot a volume that was mounted.
+// The load fails, and the file is kept for the next try.
+TEST(StateStoreTest, AFileThatCannotBeOpenedNowFailsTheLoadAndIsKept) {
+  ShortTempDir d;
+  auto store = StateStore::Open(d.path());
+  ASSERT_TRUE(store.ok());
+  state::Volume v;
+  v.set_volume_id("kept");
+  ASSERT_TRUE(store->SaveBlocking(v).ok());
+  const std::string file = d.path() + "/volumes/" + Sha256Hex("kept") + ".state";
+  ASSERT_TRUE(fs::exists(file));
+  // The lowest free fd is the last one allowed: the directory's listing takes it, and the
+  // state file's open finds none.
+  const int lowest_free = dup(0);
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = static_cast<rlim_t>(lowest_free) + 1;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<std::string> problems;
+  auto loaded = store->LoadAllBlocking(&problems);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  ASSERT_FALSE(loaded.ok()) << "loaded " << loaded->size() << " volume(s) without the one it could not open";
+  EXPECT_TRUE(absl::StrContains(loaded.status().message(), "Too many open files")) << loaded.status();
+  EXPECT_TRUE(problems.empty());
+  EXPECT_TRUE(fs::exists(file)) << "kept, not moved aside";
+  EXPECT_FALSE(fs::exists(file + ".corrupt"));
+  auto again = store->LoadAllBlocking(&problems);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->size(), 1u);
+  EXPECT_EQ((*again)[0].volume_id(), "kept");
 }
 
 TEST(StateStoreTest, RejectsRelativeDir) {
