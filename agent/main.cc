@@ -225,6 +225,14 @@ void StartVolumes(Loop& loop, VolumeManager& volumes, const AgentConfig& c, Tele
   });
 }
 
+// Two fds per FUSE volume (its connection and its handoff socket), more while servers connect:
+// the runtime's soft limit (containerd 2.x: 1024) ends a node near 500 volumes.
+void RaiseOpenFileLimit() {
+  std::string said;
+  RaiseFdLimit(&said);
+  LOG(INFO) << said;
+}
+
 int Fail(int code, absl::string_view why) {
   LOG(ERROR) << why;
   return code;
@@ -248,11 +256,7 @@ int main(int argc, char** argv) {
   // the only taker. SIGPIPE: a peer closing a socket must be an error code, not our death.
   BlockSignals({SIGTERM, SIGINT});
   signal(SIGPIPE, SIG_IGN);
-  // Two fds per FUSE volume (its connection and its handoff socket), more while servers connect:
-  // the runtime's soft limit (containerd 2.x: 1024) ends a node near 500 volumes.
-  std::string fd_said;
-  RaiseFdLimit(&fd_said);
-  LOG(INFO) << fd_said;
+  RaiseOpenFileLimit();
   const absl::StatusOr<AgentConfig> config = AgentConfig::FromFlags();
   if (!config.ok()) return Fail(2, config.status().message());
   const AgentConfig& c = *config;
