@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "agent/fkserve/program_work.h"
 #include "agent/fkserve/agent_link.h"
 #include "agent/fkserve/fusermount_protocol.h"
 #include "agent/fkserve/program_instance.h"
@@ -73,7 +75,8 @@ class Launcher {
         sock_(std::move(sock)),
         fuse_fd_(std::move(fuse_fd)),
         restart_timer_(loop),
-        grace_timer_(loop) {}
+        grace_timer_(loop),
+        work_timer_(loop) {}
 
   // Sets up the relay (carrying on from `relay_state` if valid) and the first instance; then the
   // loop runs until the launcher is done. Returns fkserve's exit status.
@@ -101,6 +104,9 @@ class Launcher {
   void NoticeRestart(std::chrono::nanoseconds took, uint64_t resent, uint64_t resolved, uint64_t reopened,
                      uint64_t failures);
   void OnProgramUnresponsive(const std::string& why, bool initialized);
+  // Every `tick`: whether the program's processes did work since the last look (program_work.h),
+  // for the relay's stall watch (RelayCallbacks::last_work).
+  void WatchWork(std::chrono::milliseconds tick);
   // The instance has ended (or could not start): restart it, or end.
   void InstanceEnded();
   void Restart();
@@ -123,7 +129,9 @@ class Launcher {
   bool stop_requested_ = false, connection_ended_ = false, finished_ = false;
   int restarts_ = 0, young_deaths_ = 0, silent_deaths_ = 0;
   std::chrono::steady_clock::time_point last_start_;
-  Timer restart_timer_, grace_timer_;
+  Timer restart_timer_, grace_timer_, work_timer_;
+  WorkSample work_;
+  std::chrono::steady_clock::time_point work_at_, last_work_;
   // How the last instance ended (or why a restart could not start one).
   std::string end_why_;
   int end_status_ = 0;
@@ -167,6 +175,10 @@ absl::Status Launcher::StartRelay(UniqueFd relay_state) {
   // An instance that never answers FUSE_INIT, or stops answering, is killed
   // (OnProgramUnresponsive).
   relay_->WatchPrograms({.init_timeout = o_.init_timeout, .stall = o_.program_stall});
+  if (o_.program_stall.count() > 0) {
+    work_at_ = last_work_ = std::chrono::steady_clock::now();
+    WatchWork(std::clamp(o_.program_stall / 8, std::chrono::milliseconds(10), std::chrono::milliseconds(1000)));
+  }
   return absl::OkStatus();
 }
 
@@ -186,6 +198,7 @@ relay::RelayCallbacks Launcher::RelayCallbacks() {
     NoticeRestart(took, st.resent, st.resolved, st.reopened, st.restore_failures);
   };
   cb.program_unresponsive = [this](const std::string& why, bool initialized) { OnProgramUnresponsive(why, initialized); };
+  cb.last_work = [this] { return last_work_; };
   return cb;
 }
 
@@ -365,6 +378,15 @@ void Launcher::OnProgramUnresponsive(const std::string& why, bool initialized) {
   if (link_ && initialized) {
     link_->Notice(absl::StrCat(text, ": the relay restarts it and resends what it had not answered"));
   }
+}
+
+void Launcher::WatchWork(std::chrono::milliseconds tick) {
+  const auto now = std::chrono::steady_clock::now();
+  const WorkSample sample = SampleWork(Children());
+  if (Progressed(work_, sample, now - work_at_)) last_work_ = now;
+  work_ = sample;
+  work_at_ = now;
+  work_timer_.Arm(tick, [this, tick] { WatchWork(tick); });
 }
 
 void Launcher::InstanceEnded() {

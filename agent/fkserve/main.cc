@@ -92,9 +92,9 @@ DEFINE_int32(init_timeout_ms, 20000,
              "start is killed (every process of it) and reported to the agent with its last words, as one "
              "that ended before serving; below the agent's --init_timeout_ms (30 s). 0: no bound");
 DEFINE_int32(program_stall_ms, 120000,
-             "launch (relayed): a program with requests in flight (lock waits aside) that sends nothing for "
-             "this long is killed; the relay restarts it and resends them, and the agent is told why (an "
-             "Event). 0: no bound");
+             "launch (relayed): a program with requests in flight (lock waits aside) that sends nothing and "
+             "does no work (CPU time, bytes read or written by its processes) for this long is killed; the "
+             "relay restarts it and resends them, and the agent is told why (an Event). 0: no bound");
 DEFINE_string(ready_file, "",
               "created once the volume is served (removed when serving ends); `fkserve "
               "--ready_file=F ready` exits 0 only if it exists: a startupProbe, so that a pod's app "

@@ -582,6 +582,29 @@ TEST_F(FkserveTest, ARelayedProgramThatStopsAnsweringIsKilledAndRestartedAndItsR
   EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
 }
 
+// A program working on a long request (here a READ it answers after 1.5 s of CPU, as an upload
+// at FLUSH moves bytes) sends nothing meanwhile: busy, not hung. However short
+// --program_stall_ms is, it is not killed; a stopped one is (the test above). In the program and
+// on the launcher's hop.
+TEST_F(FkserveTest, ARelayedProgramBusyWithALongRequestIsNotKilledAsHung) {
+  for (const bool hop : {false, true}) {
+    SCOPED_TRACE(hop ? "hop" : "in the program");
+    served_ = std::promise<void>();
+    MountAndOffer({.volume_id = hop ? "v-busy-hop" : "v-busy"});
+    std::vector<std::string> args = {"--program_stall_ms=300", "launch", "--", RunfilePath("tests/testing/hello_fuse"),
+                                     "/dev/fd/{fd}", "x\n", "1500"};
+    if (hop) args.insert(args.begin(), "--in_program=false");
+    StartServer(args);
+    ASSERT_TRUE(WaitServed()) << server_->Stderr();
+    auto read = WithDeadline([&] { return ReadFile(mnt_ + "/hello"); });
+    ASSERT_TRUE(read.has_value()) << "killed as hung under its work, and given up on\n" << server_->Stderr();
+    EXPECT_EQ(*read, "x\n") << server_->Stderr();
+    EXPECT_EQ(server_->CountInStderr("stopped answering"), 0) << server_->Stderr();
+    EXPECT_EQ(server_->CountInStderr("restarting it"), 0) << server_->Stderr();
+    UnmountAndExpectCleanExit();
+  }
+}
+
 TEST_F(FkserveTest, LaunchOfAMissingProgramIsReportedToTheAgent) {
   MountAndOffer({.volume_id = "v-missing"});
   StartServer({"launch", "--", "/nonexistent/fuse-program", "/dev/fd/{fd}"});

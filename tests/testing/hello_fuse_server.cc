@@ -1,6 +1,7 @@
 #define FUSE_USE_VERSION 35
 #include "tests/testing/hello_fuse_server.h"
 
+#include <chrono>
 #include <errno.h>
 #include <fuse_lowlevel.h>
 #include <string.h>
@@ -61,6 +62,11 @@ void Open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 void Read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*) {
   auto* server = static_cast<HelloFuseServer*>(fuse_req_userdata(req));
   const std::string& c = server->content();
+  if (server->read_work_ms() > 0 && off == 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(server->read_work_ms());
+    volatile uint64_t spin = 0;
+    while (std::chrono::steady_clock::now() < until) ++spin;
+  }
   if (static_cast<size_t>(off) >= c.size()) return (void)fuse_reply_buf(req, nullptr, 0);
   const size_t n = std::min(size, c.size() - static_cast<size_t>(off));
   if (server->content_fd() < 0) return (void)fuse_reply_buf(req, c.data() + off, n);
@@ -80,7 +86,8 @@ void Init(void* userdata, fuse_conn_info* conn) {
 
 }  // namespace
 
-HelloFuseServer::HelloFuseServer(int fuse_fd, std::string content) : content_(std::move(content)) {
+HelloFuseServer::HelloFuseServer(int fuse_fd, std::string content, int read_work_ms)
+    : content_(std::move(content)), read_work_ms_(read_work_ms) {
   if (content_.rfind(kSpliceContent, 0) == 0) {
     content_ = SplicedContent(std::stoul(content_.substr(strlen(kSpliceContent))));
     content_fd_ = memfd_create("hello-content", MFD_CLOEXEC);

@@ -17,15 +17,18 @@ std::string SplicedContent(size_t bytes);
 
 class HelloFuseServer {
  public:
-  // Takes ownership of fuse_fd (libfuse closes it).
-  HelloFuseServer(int fuse_fd, std::string content);
+  // Takes ownership of fuse_fd (libfuse closes it). `read_work_ms` > 0: each READ at offset 0
+  // first keeps a CPU busy that long (a program working on a long request, as an upload).
+  HelloFuseServer(int fuse_fd, std::string content, int read_work_ms = 0);
   ~HelloFuseServer();  // waits for the session loop: end the connection first
   const std::string& content() const { return content_; }
   int content_fd() const { return content_fd_; }  // -1: replies from memory
+  int read_work_ms() const { return read_work_ms_; }
 
  private:
   std::string content_;
   int content_fd_ = -1;
+  int read_work_ms_ = 0;
   fuse_session* session_ = nullptr;
   std::thread thread_;
 };

@@ -407,6 +407,10 @@ struct Relay::LoopState final : RelayOutput {
         quiet_ns = std::max<int64_t>(
             quiet_ns, std::chrono::duration_cast<std::chrono::nanoseconds>(now - pending_since).count());
       }
+      if (cb.last_work) {
+        quiet_ns = std::min<int64_t>(
+            quiet_ns, std::chrono::duration_cast<std::chrono::nanoseconds>(now - cb.last_work()).count());
+      }
       if (quiet_ns >= std::chrono::duration_cast<std::chrono::nanoseconds>(limits.stall).count()) {
         // (In flight: read by it and not answered, or waiting in the kernel for it to read.)
         why = StallWhy(0, quiet_ns / 1000000);
@@ -428,7 +432,8 @@ struct Relay::LoopState final : RelayOutput {
     if (!core->initialized()) {
       if (limits.init_timeout.count() > 0 && now - started >= limits.init_timeout) why = InitTimeoutWhy();
     } else if (limits.stall.count() > 0 && busy && core->requests_in_flight() > lock_waits.size()) {
-      const LoopClock::time_point quiet_since = std::max(last_from_program, busy_since);
+      LoopClock::time_point quiet_since = std::max(last_from_program, busy_since);
+      if (cb.last_work) quiet_since = std::max(quiet_since, cb.last_work());
       if (now - quiet_since >= limits.stall) {
         why = StallWhy(core->requests_in_flight(), duration_cast<milliseconds>(now - quiet_since).count());
       }

@@ -44,6 +44,10 @@ struct RelayCallbacks {
   // end it (every process of it); the relay then sends what it had not answered to the next
   // one. Once per instance.
   std::function<void(const std::string& why, bool initialized)> program_unresponsive;
+  // When the program's processes last did work (CPU time, bytes read or written: the launcher
+  // measures it, program_work.h). An instance that sends nothing while it works is busy, not
+  // hung: the stall counts from the later of its last message and its last work. None: not asked.
+  std::function<LoopClock::time_point()> last_work;
 };
 
 // When an instance counts as not answering (RelayCallbacks::program_unresponsive). Zero: no
