@@ -5,7 +5,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/fd_limit_scope.h"
 #include "tests/testing/log_capture.h"
 #include "tests/testing/loop_thread.h"
 
@@ -160,14 +160,8 @@ TEST_F(HandoffIoTest, AListenerOutOfFdsWaitsBeforeItsNextAcceptInsteadOfSpinning
   LogCapture log;
   // No fd is free below the limit: an accept fails with EMFILE (the ring's takes its fd before it
   // waits, so it fails with or without a connection queued).
-  const int lowest_free = dup(0);
-  ASSERT_GE(lowest_free, 0);
-  close(lowest_free);
-  rlimit before{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
-  rlimit low = before;
-  low.rlim_cur = static_cast<rlim_t>(lowest_free);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  FdLimitScope no_fds;
+  ASSERT_TRUE(no_fds.ok());
   lt_.RunOnLoop([&] { listener_->Start(); });
   const bool said = log.WaitFor("accept failed (Too many open files); waiting 50 ms", kTestDeadline);
   uint64_t at_first = 0, after = 0;
@@ -176,7 +170,7 @@ TEST_F(HandoffIoTest, AListenerOutOfFdsWaitsBeforeItsNextAcceptInsteadOfSpinning
   // spinning, thousands.
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   lt_.RunOnLoop([&] { after = lt_.loop().iterations(); });
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  no_fds.Restore();
   ASSERT_TRUE(said) << log.text();
   EXPECT_LT(after - at_first, 50u) << "the loop spun on the failing accept";
   EXPECT_EQ(log.Count("accept failed"), 1) << "said once, not per attempt\n" << log.text();

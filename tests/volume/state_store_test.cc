@@ -1,13 +1,11 @@
 #include "agent/volume/state_store.h"
 
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/testing/fd_limit_scope.h"
 #include "tests/testing/subprocess.h"
 
 namespace fusekeeper {
@@ -75,19 +73,12 @@ TEST(StateStoreTest, AFileThatCannotBeOpenedNowFailsTheLoadAndIsKept) {
   ASSERT_TRUE(store->SaveBlocking(v).ok());
   const std::string file = d.path() + "/volumes/" + Sha256Hex("kept") + ".state";
   ASSERT_TRUE(fs::exists(file));
-  // The lowest free fd is the last one allowed: the directory's listing takes it, and the
-  // state file's open finds none.
-  const int lowest_free = dup(0);
-  ASSERT_GE(lowest_free, 0);
-  close(lowest_free);
-  rlimit before{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
-  rlimit low = before;
-  low.rlim_cur = static_cast<rlim_t>(lowest_free) + 1;
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  // One fd to be had: the directory's listing takes it, and the state file's open finds none.
+  FdLimitScope one_fd(1);
+  ASSERT_TRUE(one_fd.ok());
   std::vector<std::string> problems;
   auto loaded = store->LoadAllBlocking(&problems);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  one_fd.Restore();
   ASSERT_FALSE(loaded.ok()) << "loaded " << loaded->size() << " volume(s) without the one it could not open";
   EXPECT_TRUE(absl::StrContains(loaded.status().message(), "Too many open files")) << loaded.status();
   EXPECT_TRUE(problems.empty());
