@@ -8,7 +8,9 @@
 // `serve` runs the built-in passthrough of --root. `launch` runs any libfuse3 program with the
 // connection as /dev/fd/<n> ({fd} in its arguments is replaced by the number) and exits with its
 // exit status. Either way the handoff connection stays open while serving, and the end of
-// serving (with the program's exit status) is reported to the agent on it. Exit codes: 0 served until unmounted; 2 usage; 3 cannot reach the socket or the peer
+// serving (with the program's exit status) is reported to the agent on it; a connection that ends
+// (unmounted, aborted) is followed by the volume's next one on the same socket, until the socket
+// is gone. Exit codes: 0 served until unmounted; 2 usage; 3 cannot reach the socket or the peer
 // is not the agent; 4 the agent refused or sent something that is not a FUSE device; 5 serving failed;
 // launch: the program's own status (127 if it could not be started).
 #include <errno.h>
@@ -46,7 +48,8 @@ DEFINE_string(socket, getenv("FUSEKEEPER_SOCKET") != nullptr ? getenv("FUSEKEEPE
               "the agent makes has)");
 DEFINE_int32(socket_wait_ms, 120000,
              "how long to wait for the handoff socket to appear (or its agent to listen): a server pod "
-             "starts before the agent has found its emptyDir");
+             "starts before the agent has found its emptyDir; also how long a server whose connection ended "
+             "asks for the volume's next one");
 DEFINE_string(root, "", "serve: the directory to export");
 DEFINE_bool(passthrough, true,
             "serve: FUSE passthrough for regular files where the kernel offers it (Linux 6.9+): the agent "
