@@ -582,7 +582,7 @@ TEST_F(FkserveTest, ARelayedProgramThatStopsAnsweringIsKilledAndRestartedAndItsR
   EXPECT_EQ(ReadFile(mnt_ + "/hello"), "x\n");
 }
 
-// A program working on a long request (here a READ it answers after 1.5 s of CPU, as an upload
+// A program working on a long request (here a READ it answers after 3 s of CPU, as an upload
 // at FLUSH moves bytes) sends nothing meanwhile: busy, not hung. However short
 // --program_stall_ms is, it is not killed; a stopped one is (the test above). In the program and
 // on the launcher's hop.
@@ -591,8 +591,10 @@ TEST_F(FkserveTest, ARelayedProgramBusyWithALongRequestIsNotKilledAsHung) {
     SCOPED_TRACE(hop ? "hop" : "in the program");
     served_ = std::promise<void>();
     MountAndOffer({.volume_id = hop ? "v-busy-hop" : "v-busy"});
-    std::vector<std::string> args = {"--program_stall_ms=300", "launch", "--", RunfilePath("tests/testing/hello_fuse"),
-                                     "/dev/fd/{fd}", "x\n", "1500"};
+    // Work three times the bound: a stall watch that did not see it would kill the program at
+    // each try (the relay and the work sampler look every eighth of the bound).
+    std::vector<std::string> args = {"--program_stall_ms=1000", "launch", "--", RunfilePath("tests/testing/hello_fuse"),
+                                     "/dev/fd/{fd}", "x\n", "3000"};
     if (hop) args.insert(args.begin(), "--in_program=false");
     StartServer(args);
     ASSERT_TRUE(WaitServed()) << server_->Stderr();
