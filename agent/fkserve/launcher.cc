@@ -107,6 +107,9 @@ class Launcher {
   // Every `tick`: whether the program's processes did work since the last look (program_work.h),
   // for the relay's stall watch (RelayCallbacks::last_work).
   void WatchWork(std::chrono::milliseconds tick);
+  // A look now: the relay asks before it calls a program hung, so that a loop that woke late
+  // (a loaded node) decides on what the program did meanwhile, whichever timer fires first.
+  void SampleWorkNow();
   // The instance has ended (or could not start): restart it, or end.
   void InstanceEnded();
   void Restart();
@@ -198,7 +201,10 @@ relay::RelayCallbacks Launcher::RelayCallbacks() {
     NoticeRestart(took, st.resent, st.resolved, st.reopened, st.restore_failures);
   };
   cb.program_unresponsive = [this](const std::string& why, bool initialized) { OnProgramUnresponsive(why, initialized); };
-  cb.last_work = [this] { return last_work_; };
+  cb.last_work = [this] {
+    SampleWorkNow();
+    return last_work_;
+  };
   return cb;
 }
 
@@ -381,12 +387,16 @@ void Launcher::OnProgramUnresponsive(const std::string& why, bool initialized) {
 }
 
 void Launcher::WatchWork(std::chrono::milliseconds tick) {
+  SampleWorkNow();
+  work_timer_.Arm(tick, [this, tick] { WatchWork(tick); });
+}
+
+void Launcher::SampleWorkNow() {
   const auto now = std::chrono::steady_clock::now();
   const WorkSample sample = SampleWork(Children());
   if (Progressed(work_, sample, now - work_at_)) last_work_ = now;
   work_ = sample;
   work_at_ = now;
-  work_timer_.Arm(tick, [this, tick] { WatchWork(tick); });
 }
 
 void Launcher::InstanceEnded() {
