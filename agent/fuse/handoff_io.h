@@ -58,6 +58,8 @@ class HandoffListener {
   // Closed and no accept in flight.
   bool ended() const { return closed_ && !in_flight_; }
   const std::string& tag() const { return tag_; }
+  // Out of fds: the accept's back-off (accept_backoff.h) so far.
+  const AcceptBackoff& backoff() const { return backoff_; }
 
  private:
   void Arm();

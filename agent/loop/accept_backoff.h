@@ -29,6 +29,7 @@ class AcceptBackoff {
   // After a failed accept (OutOfResources): arms the pause on `c`. The Completion's callback
   // then runs with -ETIME (or -ECANCELED if closed); `paused()` says so until Resumed or Ended.
   void Pause(Loop& loop, Completion* c, const std::string& what, int32_t res) {
+    ++pauses_;
     delay_ = delay_.count() == 0 ? kFirst : std::min(delay_ * 2, kMax);
     if (!logged_) {
       LOG(WARNING) << what << ": accept failed (" << std::strerror(-res) << "); waiting " << delay_.count()
@@ -48,14 +49,19 @@ class AcceptBackoff {
   void Resumed(const std::string& what) {
     if (logged_) LOG(INFO) << what << ": accepting again";
     logged_ = false;
+    pauses_ = 0;
     delay_ = std::chrono::milliseconds(0);
   }
   bool paused() const { return paused_; }
+  // Pauses since the last accept that worked, and the current (or last) one's length.
+  int pauses() const { return pauses_; }
+  std::chrono::milliseconds delay() const { return delay_; }
 
  private:
   static constexpr std::chrono::milliseconds kFirst{50}, kMax{2000};
   std::chrono::milliseconds delay_{0};
   __kernel_timespec ts_{};  // read by the kernel until the timeout completes
+  int pauses_ = 0;
   bool paused_ = false, logged_ = false;
 };
 

@@ -12,7 +12,6 @@
 
 #include <filesystem>
 #include <future>
-#include <thread>
 #include <string>
 #include <vector>
 
@@ -164,15 +163,17 @@ TEST_F(HandoffIoTest, AListenerOutOfFdsWaitsBeforeItsNextAcceptInsteadOfSpinning
   ASSERT_TRUE(no_fds.ok());
   lt_.RunOnLoop([&] { listener_->Start(); });
   const bool said = log.WaitFor("accept failed (Too many open files); waiting 50 ms", kTestDeadline);
-  uint64_t at_first = 0, after = 0;
-  lt_.RunOnLoop([&] { at_first = lt_.loop().iterations(); });
-  // A window to look at the loop in: backing off it takes a few turns (50, 100, 200 ms...);
-  // spinning, thousands.
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  lt_.RunOnLoop([&] { after = lt_.loop().iterations(); });
+  // Until the pause has doubled to 400 ms: four failed accepts in all (50, 100, 200, 400 ms
+  // between them); a listener that spun would fail thousands of times and never pause.
+  int pauses = 0;
+  const bool doubled = WaitOnLoop([&] {
+    pauses = listener_->backoff().pauses();
+    return listener_->backoff().delay() >= std::chrono::milliseconds(400);
+  });
   no_fds.Restore();
   ASSERT_TRUE(said) << log.text();
-  EXPECT_LT(after - at_first, 50u) << "the loop spun on the failing accept";
+  ASSERT_TRUE(doubled) << "the listener never backed off to 400 ms";
+  EXPECT_EQ(pauses, 4) << "one accept per pause, no more";
   EXPECT_EQ(log.Count("accept failed"), 1) << "said once, not per attempt\n" << log.text();
   ASSERT_EQ(accepted.get_future().wait_for(kTestDeadline), std::future_status::ready) << "taken once fds are free";
   EXPECT_TRUE(log.WaitFor("accepting again", kTestDeadline)) << log.text();
